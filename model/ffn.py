@@ -1,0 +1,141 @@
+"""The ReLU-gated feed-forward block: y = (relu(x W_g^T) * (x W_u^T)) W_d, dense or TwELL-sparse.
+
+All three weights are [d_ff, d_model]: w_gate and w_up in nn.Linear layout, w_down neuron-major
+(the transpose of nn.Linear's down weight), which is what the TwELL kernels read row by row.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FFNStats(NamedTuple):
+    """Activity of one FFN call; detached device tensors (no host sync to build them)."""
+
+    active_mean: torch.Tensor  # float32 0-dim: mean active units per token
+    active_max: torch.Tensor  # float32 0-dim: max active units of any token
+    unit_fires: torch.Tensor  # int32 [F]: tokens in which each unit fired
+    overflow_rows: torch.Tensor  # int32 0-dim: rows that took a kernel's overflow path (0 when dense)
+
+
+def _stats_from_row_active(row_active: torch.Tensor, unit_fires: torch.Tensor, overflow_rows) -> FFNStats:
+    row_active = row_active.float()
+    return FFNStats(
+        active_mean=row_active.mean(),
+        active_max=row_active.max(),
+        unit_fires=unit_fires.to(torch.int32),
+        overflow_rows=torch.as_tensor(overflow_rows, dtype=torch.int32, device=row_active.device),
+    )
+
+
+def kernels_usable(x: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA, or on CPU under the interpreter; otherwise use the reference path."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _import_kernels():
+    try:
+        import kernels
+    except ImportError as err:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            f"ffn_impl='twell' needs the `kernels` package (torch + triton): {err}. "
+            "Install triton or use ffn_impl='dense'."
+        ) from err
+    if not hasattr(kernels, "twell_ffn"):
+        raise ImportError("the installed `kernels` package has no twell_ffn; use ffn_impl='dense'")
+    return kernels
+
+
+class ReLUGatedFFN(nn.Module):
+    """ReLU-gated FFN with an implementation switch.
+
+    impl "dense": PyTorch matmuls. "twell": the TwELL Triton kernels (dense reference path on CPU
+    without TRITON_INTERPRET=1). "auto": per layer, sparse while `use_sparse` is set by
+    `Transformer.update_ffn_routing`, dense otherwise (dense at start: early training is dense).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, impl: str = "dense", init_std: float = 0.02):
+        super().__init__()
+        self.d_model, self.d_ff, self.impl, self.init_std = d_model, d_ff, impl, init_std
+        self.w_gate = nn.Parameter(torch.empty(d_ff, d_model))
+        self.w_up = nn.Parameter(torch.empty(d_ff, d_model))
+        self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
+        # Persistent so a resumed "auto" run keeps its routing; mirrored in a Python bool so that
+        # forward never reads a device tensor (a host sync per layer on GPU).
+        self.register_buffer("use_sparse", torch.zeros((), dtype=torch.bool))
+        self._sparse_now = False
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_routing_mirror())
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, mean=0.0, std=self.init_std)
+        self.set_sparse(False)
+
+    def set_sparse(self, flag: bool) -> None:
+        self.use_sparse.fill_(bool(flag))
+        self._sparse_now = bool(flag)
+
+    def refresh_routing_mirror(self) -> None:
+        """Re-read `use_sparse` after its tensor was written in place (checkpoint load)."""
+        if self.use_sparse.device.type != "meta":
+            self._sparse_now = bool(self.use_sparse.item())
+
+    def takes_sparse_path(self, x: torch.Tensor) -> bool:
+        wants_sparse = self.impl == "twell" or (self.impl == "auto" and self._sparse_now)
+        return wants_sparse and kernels_usable(x)
+
+    def forward(self, x: torch.Tensor, with_stats: bool = True):
+        """x [..., D] -> (y [..., D], l1 0-dim fp32 or None, FFNStats or None).
+
+        l1 = mean over tokens of sum over units of |h|. with_stats=False (inference) skips l1 and
+        the statistics, which lets the sparse path use the fused inference kernel.
+        """
+        if self.takes_sparse_path(x):
+            return self._forward_twell(x, with_stats)
+        return self._forward_dense(x, with_stats)
+
+    def _forward_dense(self, x: torch.Tensor, with_stats: bool):
+        gate = F.linear(x, self.w_gate)
+        h = F.relu(gate) * F.linear(x, self.w_up)
+        y = h @ self.w_down
+        if not with_stats:
+            return y, None, None
+        # Sum in fp32 without an fp32 copy of h: abs() reuses the h already saved for the matmul.
+        l1 = h.abs().sum(dim=-1, dtype=torch.float32).mean()
+        with torch.no_grad():
+            active = (gate > 0).reshape(-1, self.d_ff)
+            stats = _stats_from_row_active(
+                active.sum(dim=-1, dtype=torch.int32), active.sum(dim=0, dtype=torch.int32), 0
+            )
+        return y, l1, stats
+
+    def _forward_twell(self, x: torch.Tensor, with_stats: bool):
+        kernels = _import_kernels()
+        x2d = x.reshape(-1, self.d_model)
+        weights = (self.w_gate, self.w_up, self.w_down)
+        # Custom kernels do not take part in autocast: cast to the autocast dtype by hand (the casts
+        # are differentiable, so gradients still reach the fp32 master weights).
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x2d = x2d.to(dtype)
+            weights = tuple(w.to(dtype) for w in weights)
+        else:
+            weights = tuple(w.to(x2d.dtype) for w in weights)
+        if not with_stats and not torch.is_grad_enabled():
+            y = kernels.twell_ffn_inference(x2d, *weights)
+            return y.view(*x.shape[:-1], self.d_model), None, None
+        out = kernels.twell_ffn(x2d, *weights)
+        y = out.y.view(*x.shape[:-1], self.d_model)
+        if not with_stats:
+            return y, None, None
+        stats = _stats_from_row_active(
+            out.row_active.detach(), out.unit_fires.detach(), out.overflow_rows.detach()
+        )
+        return y, out.l1.float(), stats

@@ -1,0 +1,72 @@
+"""RMSNorm, rotary position embeddings and causal self-attention (LLaMA conventions).
+
+The layouts follow Hugging Face's Llama exactly (rotate-half RoPE, separate q/k/v/o projections
+in nn.Linear layout) so our weights map 1:1 onto a `LlamaForCausalLM` folder and back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much in bf16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(
+    head_dim: int, max_seq_len: int, theta: float, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_seq_len, head_dim] in fp32, rotate-half layout (frequencies repeated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, hd] by position: pairs are (i, i + hd/2), as in HF Llama's rotate_half."""
+    x32 = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with RoPE; grouped-query when n_kv_heads < n_heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), HF's repeat_kv order.
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -1,0 +1,174 @@
+"""twell_ffn: the training op of the ReLU-gated FFN, sparse in everything but the gate GEMM.
+
+Forward (x [M, D]; w_gate, w_up, w_down [F, D], w_down neuron-major):
+  1. twell_gate: the dense gate GEMM, ReLU and compaction in its epilogue (TwELL tiles).
+  2. build_pattern: TwELL -> exact CSR of the active entries; rows whose tiles overflowed TwELL's
+     slots are listed for the dense path instead (never dropped, counted in `overflow_rows`).
+  3. u = x . w_up only at the entries (sampled dot); h = g * u; y = h w_down (row segments).
+  4. L1 = sum |h| / M, row_active, unit_fires from the same entries.
+Saved for backward: x and the weights (inputs, saved by any FFN) plus per entry its row, column,
+gate and up values (16 bytes an entry: ~8 MB at 16k tokens x 30 active, against ~550 MB of dense
+[M, F] activations). Overflow rows save nothing: backward recomputes their g and u densely.
+
+Backward, on the same pattern:
+  dh = dy . w_down at the entries (sampled dot) + grad_l1 * sign(h) / M
+  du = dh * g, dg = dh * u   (g > 0 on every entry: the pattern is the ReLU mask)
+  dx = dg w_gate + du w_up                                        (row segments)
+  dw_gate = dg^T x, dw_up = du^T x, dw_down = h^T dy              (column segments: a CSC)
+The CSC is a stable sort of the entries by column on the GPU (no host sync in backward).
+
+Registered as torch.library custom ops (twell::ffn_train_fwd / _bwd) with fake kernels, so a
+torch.compile'd model keeps the op in its graph (the entry count is an unbacked dynamic size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._common import check_ffn_args, check_kernel_device
+from .gate import twell_gate
+from .reference import FFNOutput
+from .train_format import build_pattern
+from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
+
+# How the three weight gradients are produced; selectable so one GPU run can compare them.
+#   "fused3": one pass over each column's entries gathers x and dy rows, writes all three.
+#   "split":  dW_gate and dW_up from one pass over x rows, dW_down from a second pass over dy rows
+#             (fewer live accumulators per program, two launches).
+WGRAD_VARIANTS = ("fused3", "split")
+_settings = {"wgrad": "fused3"}
+
+
+def set_wgrad_variant(name: str) -> None:
+    if name not in WGRAD_VARIANTS:
+        raise ValueError(f"wgrad variant {name!r} is unknown; choose one of {WGRAD_VARIANTS}")
+    _settings["wgrad"] = name
+
+
+def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """g, u, h of overflow rows, dense and in x's dtype, as a dense FFN computes them."""
+    gate = torch.relu(x_rows @ w_gate.T)
+    up = x_rows @ w_up.T
+    return gate, up, gate * up
+
+
+@torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
+def _ffn_train_fwd(
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    M = x.shape[0]
+    tw = twell_gate(x, w_gate)
+    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
+    up = sampled_dot(pat.rows, pat.cols, x, w_up)
+    h = pat.gate.float() * up
+    y = torch.empty_like(x)  # overflow rows have empty segments: written as zeros, then replaced
+    segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE)
+    l1_sum = h.abs().sum()
+    unit_fires = torch.bincount(pat.cols, minlength=w_gate.shape[0])
+    if pat.overflow_rows.numel():
+        gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
+        y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
+        l1_sum = l1_sum + h_o.float().abs().sum()
+        unit_fires += (gate_o > 0).sum(dim=0)
+    n_overflow = torch.tensor(pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
+    return (
+        y, l1_sum / M, pat.row_active, unit_fires.to(torch.int32), n_overflow,
+        pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows,
+    )  # fmt: skip
+
+
+@_ffn_train_fwd.register_fake
+def _(x, w_gate, w_up, w_down):
+    (M, D), F = x.shape, w_gate.shape[0]
+    ctx = torch.library.get_ctx()
+    nnz, n_ovf = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (
+        x.new_empty(M, D), x.new_empty((), dtype=torch.float32), x.new_empty(M, **i32),
+        x.new_empty(F, **i32), x.new_empty((), **i32), x.new_empty(M + 1, **i32),
+        x.new_empty(nnz, **i32), x.new_empty(nnz, **i32), x.new_empty(nnz),
+        x.new_empty(nnz, dtype=torch.float32), x.new_empty(n_ovf, dtype=torch.int64),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+def _ffn_train_bwd(
+    grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, overflow_rows: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    M, F = x.shape[0], w_gate.shape[0]
+    dy = grad_y.to(x.dtype).contiguous()
+    l1_scale = grad_l1.float() / M  # d(sum|h| / M)/dh = sign(h) / M, times the upstream gradient
+    gate32 = gate.float()
+    h = gate32 * up
+    dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
+    d_gate, d_up = dh * up, dh * gate32
+
+    dx = torch.empty_like(x)
+    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2)
+
+    # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
+    order = torch.argsort(cols, stable=True)
+    col_ptr = torch.zeros(F + 1, device=x.device, dtype=torch.int32)
+    torch.cumsum(torch.bincount(cols, minlength=F), dim=0, dtype=torch.int32, out=col_ptr[1:])
+    rows_by_col = rows[order]
+    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
+    coefs = (d_gate[order], d_up[order], h[order])
+    if _settings["wgrad"] == "fused3":
+        segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
+    else:
+        segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
+        segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
+
+    if overflow_rows.numel():
+        x_o, dy_o = x[overflow_rows], dy[overflow_rows]
+        gate_o, up_o, h_o = _dense_rows_forward(x_o, w_gate, w_up)
+        dh_o = (dy_o @ w_down.T).float() + l1_scale * torch.sign(h_o.float())
+        d_gate_o = (dh_o * up_o.float() * (gate_o > 0)).to(x.dtype)
+        d_up_o = (dh_o * gate_o.float()).to(x.dtype)
+        dx.index_copy_(0, overflow_rows, d_gate_o @ w_gate + d_up_o @ w_up)
+        dw_gate.addmm_(d_gate_o.T, x_o)
+        dw_up.addmm_(d_up_o.T, x_o)
+        dw_down.addmm_(h_o.T, dy_o)
+    return dx, dw_gate, dw_up, dw_down
+
+
+@_ffn_train_bwd.register_fake
+def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows):
+    return x.new_empty(x.shape), *(w.new_empty(w.shape) for w in (w_gate, w_up, w_down))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output[5:])
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, grad_y, grad_l1, *_unused):
+    x = ctx.saved_tensors[0]
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    if grad_l1 is None:
+        grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *ctx.saved_tensors)
+
+
+_ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def twell_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> FFNOutput:
+    """Training op of the ReLU-gated FFN; autograd w.r.t. all four inputs (see module doc).
+
+    Under autocast the operands are cast to the autocast dtype first (custom kernels take no part in
+    autocast; the casts are differentiable, so fp32 master weights still receive gradients).
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
+    check_ffn_args(x, w_gate, w_up, w_down)
+    check_kernel_device(x)
+    y, l1, row_active, unit_fires, n_overflow, *_saved = torch.ops.twell.ffn_train_fwd(
+        x, w_gate, w_up, w_down
+    )
+    return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

@@ -2,8 +2,17 @@
 
 from . import reference, synthetic
 from .gate import TwELLGate, twell_gate
+from .inference import InferenceStats, twell_ffn_inference
 from .reference import FFNOutput
 
 # Training op (issue 4): add `from .train import twell_ffn` here once kernels/train.py exists.
 
-__all__ = ["FFNOutput", "TwELLGate", "reference", "synthetic", "twell_gate"]
+__all__ = [
+    "FFNOutput",
+    "InferenceStats",
+    "TwELLGate",
+    "reference",
+    "synthetic",
+    "twell_ffn_inference",
+    "twell_gate",
+]

@@ -145,12 +145,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, grad_l1, *_unused):
-    x = ctx.saved_tensors[0]
+    saved = ctx.saved_tensors  # unpacked once: activation checkpointing allows a single unpack
+    x = saved[0]
     if grad_y is None:
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *ctx.saved_tensors)
+    return torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,276 @@
+"""twell_ffn (the training op) against a float64 PyTorch reference: outputs, all four gradients, the L1
+gradient, overflow rows, saved memory, torch.compile, autocast, checkpointing and bad inputs.
+
+CPU runs the Triton kernels under the interpreter (small shapes); the GPU tests run the paper's sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gate import default_slots, default_tile_n
+from kernels.reference import relu_ffn, twell_gate_reference
+from kernels.synthetic import (
+    make_rows_dense,
+    make_rows_heavy_tailed,
+    make_rows_silent,
+    make_units_always_active,
+    paper_like_ffn_inputs,
+)
+from kernels.train import WGRAD_VARIANTS, set_wgrad_variant, twell_ffn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fresh_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def _inputs(M, D, F, dtype, mean_active=6.0, seed=None):
+    seed = _fresh_seed() if seed is None else seed
+    return list(
+        paper_like_ffn_inputs(M, D, F, mean_active=mean_active, dtype=dtype, device=DEVICE, seed=seed)
+    )
+
+
+def _run(fn, inputs, grad_y, l1_coef, dtype=None):
+    """Outputs and the gradients of sum(y * grad_y) + l1_coef * l1 w.r.t. the four inputs."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    loss = (out.y.to(grad_y.dtype) * grad_y).sum() + l1_coef * out.l1
+    loss.backward()
+    return out, [t.grad for t in leaves]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _check_against_reference(inputs, l1_coef=None, tol=1e-5):
+    """Ours vs float64; in 16-bit, also no worse than 3x the error of a dense FFN in the same dtype."""
+    dtype = inputs[0].dtype
+    M, D = inputs[0].shape
+    l1_coef = float(torch.rand(()) * 2 + 0.1) if l1_coef is None else l1_coef
+    grad_y = torch.randn(M, D, device=DEVICE, dtype=torch.float64)
+    out, grads = _run(twell_ffn, inputs, grad_y.to(dtype), l1_coef)
+    ref, ref_grads = _run(relu_ffn, inputs, grad_y, l1_coef, dtype=torch.float64)
+    if dtype == torch.float32:
+        assert torch.equal(out.row_active, ref.row_active)
+        assert torch.equal(out.unit_fires, ref.unit_fires)
+        bounds = [tol] * 6
+    else:
+        dense, dense_grads = _run(relu_ffn, inputs, grad_y.to(dtype), l1_coef)
+        rounding = [
+            _rel_err(a, b) for a, b in zip([dense.y, dense.l1, *dense_grads], [ref.y, ref.l1, *ref_grads])
+        ]
+        # Floor 1e-2 (~2.5 bf16 ulps; the issue's "rounding level"): the CPU interpreter truncates
+        # fp32 -> bf16 instead of rounding to nearest, a bias of ~half an ulp on every stored value.
+        bounds = [max(3 * r, 1e-2) for r in rounding]
+        assert max(bounds) < 5e-2, f"dense {dtype} reference itself is far off: {rounding}"
+        # A pre-activation within rounding of 0 may flip; anything more is a wrong pattern.
+        assert (out.row_active - ref.row_active).abs().sum() <= max(2, M // 20)
+    names = ["y", "l1", "dx", "dw_gate", "dw_up", "dw_down"]
+    for name, a, b, bound in zip(names, [out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads], bounds):
+        assert a.dtype == (torch.float32 if name == "l1" else dtype)
+        err = _rel_err(a, b)
+        assert err <= bound, f"{name}: relative error {err:.2e} > {bound:.2e} ({dtype}, M={M})"
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 7, 67])
+def test_fp32_matches_reference_at_odd_sizes(M):
+    out = _check_against_reference(_inputs(M, 64, 320, torch.float32))
+    assert out.y.shape == (M, 64) and out.row_active.shape == (M,) and out.unit_fires.shape == (320,)
+
+
+def test_bf16_at_rounding_level():
+    _check_against_reference(_inputs(53, 128, 256, torch.bfloat16, mean_active=8.0))
+
+
+def test_hard_patterns_dense_silent_and_full_tile_rows():
+    M, D, F = 40, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
+    make_rows_dense(x, [0, 17])  # every unit of every tile fires: overflow rows
+    make_rows_silent(x, [1, 2, 39])  # nothing fires
+    make_rows_heavy_tailed(x, list(range(20, 30)), seed=_fresh_seed())
+    out = _check_against_reference([x, w_gate, w_up, w_down])
+    assert out.row_active[[1, 2, 39]].eq(0).all()
+    _, counts = twell_gate_reference(x, w_gate, default_tile_n(M, F))
+    expected_overflow = int((counts > default_slots(default_tile_n(M, F))).any(dim=1).sum())
+    assert expected_overflow >= 2 and int(out.overflow_rows) == expected_overflow
+
+
+def test_every_unit_of_a_tile_firing_on_every_row():
+    M, D, F = 19, 64, 192
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
+    tile_n = default_tile_n(M, F)
+    make_units_always_active(w_gate, list(range(tile_n, 2 * tile_n)))
+    out = _check_against_reference([x, w_gate, w_up, w_down])
+    assert int(out.overflow_rows) == M  # a full tile exceeds the slots on every row, all rows exact
+
+
+def test_one_unit_per_tile_fits_without_overflow():
+    # Exactly at the slot limit: a full TwELL tile (count == slots) is not an overflow.
+    M, D, F = 9, 64, 128
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
+    tile_n, slots = default_tile_n(M, F), default_slots(default_tile_n(M, F))
+    make_rows_silent(x, list(range(M)))
+    make_units_always_active(w_gate, list(range(slots)) + list(range(tile_n, tile_n + 3)))
+    out = _check_against_reference([x, w_gate, w_up, w_down])
+    assert int(out.overflow_rows) == 0 and out.row_active.eq(slots + 3).all()
+
+
+def test_l1_gradient_alone_and_y_alone():
+    inputs = _inputs(23, 64, 256, torch.float32)
+    coef = float(torch.rand(()) + 0.5)
+    # Only the L1 term: grad_y never reaches backward (None), the gradient is coef * sign(h) / M paths.
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    (coef * twell_ffn(*leaves).l1).backward()
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    (coef * relu_ffn(*ref_leaves).l1).backward()
+    for a, b in zip(leaves[:3], ref_leaves[:3]):
+        assert _rel_err(a.grad, b.grad) < 1e-5
+    assert ref_leaves[3].grad is None and leaves[3].grad.abs().max() == 0  # L1 does not depend on w_down
+    # Only y: grad_l1 is None.
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    twell_ffn(*leaves).y.sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    relu_ffn(*ref_leaves).y.sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        assert _rel_err(a.grad, b.grad) < 1e-5
+
+
+@pytest.mark.parametrize("variant", WGRAD_VARIANTS)
+def test_wgrad_variants_agree_and_are_deterministic(variant):
+    inputs = _inputs(31, 64, 256, torch.float32)
+    grad_y = torch.randn(31, 64, device=DEVICE)
+    try:
+        set_wgrad_variant(variant)
+        first = _run(twell_ffn, inputs, grad_y, 0.7)
+        second = _run(twell_ffn, inputs, grad_y, 0.7)
+    finally:
+        set_wgrad_variant("fused3")
+    assert torch.equal(first[0].y, second[0].y)
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)  # no atomics: bit-identical re-runs (activation checkpointing relies on it)
+    ref = _run(relu_ffn, inputs, grad_y.double(), 0.7, dtype=torch.float64)
+    for a, b in zip(first[1], ref[1]):
+        assert _rel_err(a, b) < 1e-5
+
+
+def test_saves_only_sparse_state_for_backward():
+    M, D, F = 48, 64, 256
+    inputs = [t.requires_grad_() for t in _inputs(M, D, F, torch.float32)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = twell_ffn(*inputs)
+    input_ptrs = {t.data_ptr() for t in inputs}
+    extra = [t for t in saved if t.data_ptr() not in input_ptrs]
+    assert extra, "backward state must be saved"
+    nnz = int(out.row_active.sum())
+    for t in extra:  # nothing [M, F]-sized: per entry or per row only
+        assert t.numel() <= max(nnz, M + 1), f"saved a tensor of shape {tuple(t.shape)} (nnz={nnz})"
+
+
+def test_checkpointing_recomputes_the_same_gradients():
+    inputs = _inputs(21, 64, 192, torch.float32)
+    grad_y = torch.randn(21, 64, device=DEVICE)
+
+    def ffn_loss(*ts):
+        out = twell_ffn(*ts)
+        return (out.y * grad_y).sum() + 0.3 * out.l1
+
+    plain = [t.clone().requires_grad_() for t in inputs]
+    ffn_loss(*plain).backward()
+    ckpt = [t.clone().requires_grad_() for t in inputs]
+    torch.utils.checkpoint.checkpoint(ffn_loss, *ckpt, use_reentrant=False).backward()
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_autocast_reaches_fp32_master_weights():
+    M, D, F = 16, 64, 128
+    inputs = _inputs(M, D, F, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = twell_ffn(*leaves)
+        loss = out.y.float().sum() + out.l1
+    assert out.y.dtype == torch.bfloat16
+    loss.backward()
+    ref = [t.double().requires_grad_() for t in inputs]
+    ref_out = relu_ffn(*ref)
+    (ref_out.y.sum() + ref_out.l1).backward()
+    for a, b in zip(leaves, ref):
+        assert a.grad.dtype == torch.float32 and _rel_err(a.grad, b.grad) < 3e-2
+
+
+def test_compiles_without_graph_breaks():
+    inputs = _inputs(12, 64, 128, torch.float32)
+    grad_y = torch.randn(12, 64, device=DEVICE)
+
+    def step(x, wg, wu, wd):
+        out = twell_ffn(torch.tanh(x) * 2, wg, wu, wd)  # ops around the custom op stay in one graph
+        return (out.y * grad_y).sum() + 0.5 * out.l1, out.row_active.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    loss, active = compiled(*leaves)
+    loss.backward()
+    eager = [t.clone().requires_grad_() for t in inputs]
+    eager_loss, eager_active = step(*eager)
+    eager_loss.backward()
+    assert torch.allclose(loss, eager_loss, rtol=1e-6) and torch.equal(active, eager_active)
+    for a, b in zip(leaves, eager):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_custom_ops_pass_opcheck():
+    x, w_gate, w_up, w_down = _inputs(10, 64, 128, torch.float32)
+    torch.library.opcheck(
+        torch.ops.twell.ffn_train_fwd.default,
+        (x, w_gate, w_up, w_down),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: [t[0][:, :48].contiguous(), *t[1:]], "d_model=48 must be a multiple of 64"),
+        (lambda t: [t[0], t[1][:100].contiguous(), *t[2:]], "d_ff=100 must be a multiple of 64"),
+        (lambda t: [t[0].to(torch.float64), *t[1:]], "is not supported"),
+        (lambda t: [t[0], t[1], t[2].to(torch.bfloat16), t[3]], "differs from x.dtype"),
+        (lambda t: [t[0], t[1], t[2], t[3][:64].contiguous()], "w_down has shape"),
+        (lambda t: [t[0][None], *t[1:]], "must be 2-D"),
+        (lambda t: [t[0].t().contiguous().t(), *t[1:]], "must be contiguous"),
+    ],
+)
+def test_bad_inputs_raise_a_clear_error(change, message):
+    inputs = _inputs(64, 64, 128, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        twell_ffn(*change(inputs))
+
+
+def test_unknown_wgrad_variant_is_rejected():
+    with pytest.raises(ValueError, match="wgrad variant 'nope' is unknown"):
+        set_wgrad_variant("nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("F", [5632, 8192])
+def test_paper_sizes_on_gpu(F):
+    M, D = 16384, 2048
+    inputs = _inputs(M, D, F, torch.bfloat16, mean_active=29.0)
+    make_rows_dense(inputs[0], [0, 5000])
+    out = _check_against_reference(inputs)
+    assert int(out.overflow_rows) >= 2
+    # Saved state beyond the inputs: <= 25% of what a dense FFN saves (g, u, h: 3 x [M, F]).
+    saved = []
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        twell_ffn(*leaves)
+    ptrs = {t.data_ptr() for t in leaves}
+    extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in ptrs)
+    assert extra <= 0.25 * 3 * M * F * 2

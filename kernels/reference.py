@@ -11,7 +11,9 @@ class FFNOutput(NamedTuple):
     """Output of a ReLU-gated FFN (shared by the reference and the training op)."""
 
     y: torch.Tensor  # [M, D], dtype of x
-    l1: torch.Tensor  # float32 scalar: mean over rows of sum over d_ff of |h| (differentiable)
+    l1: (
+        torch.Tensor
+    )  # float32 scalar (float64 for float64 inputs): mean over rows of sum over d_ff of |h| (differentiable)
     row_active: torch.Tensor  # int32 [M]: active hidden units per row
     unit_fires: torch.Tensor  # int32 [F]: rows in which each hidden unit was active
     overflow_rows: torch.Tensor  # int32 0-dim: rows routed through an overflow path (0 here)
@@ -26,7 +28,7 @@ def relu_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: 
     gate_pre = x @ w_gate.T
     h = torch.relu(gate_pre) * (x @ w_up.T)
     y = h @ w_down
-    l1 = h.float().abs().sum(dim=-1).mean()
+    l1 = h.to(torch.promote_types(h.dtype, torch.float32)).abs().sum(dim=-1).mean()
     active = gate_pre > 0
     return FFNOutput(
         y=y,

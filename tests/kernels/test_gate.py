@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from kernels import twell_gate
+from kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
+
+
+def _check_format(x, w_gate, g):
+    """Counts are the true positives per (row, tile); the stored entries are the first min(count, S)
+    positive columns in order, with their gate values."""
+    pre = x.double() @ w_gate.double().T
+    M, F = pre.shape
+    T = -(-F // g.tile_n)
+    assert g.counts.shape == (M, T) and g.cols.shape == (M, T, g.slots) == g.vals.shape
+    # Pre-activations within rounding of 0 may land on either side in another summation order.
+    ambiguous = pre.abs() < 1e-3 * pre.abs().max()
+    pos = pre > 0
+    for m in range(M):
+        for t in range(T):
+            lo, hi = t * g.tile_n, min(F, (t + 1) * g.tile_n)
+            count = int(g.counts[m, t])
+            sure = int(pos[m, lo:hi].sum())
+            slack = int(ambiguous[m, lo:hi].sum())
+            assert abs(count - sure) <= slack, (m, t, count, sure)
+            n = min(count, g.slots)
+            cols = g.cols[m, t, :n].long()
+            assert bool((cols >= lo).all() and (cols < hi).all()) and bool((cols[1:] > cols[:-1]).all())
+            assert bool((pos[m, cols] | ambiguous[m, cols]).all())
+            if slack == 0:
+                expected = torch.nonzero(pos[m, lo:hi]).flatten()[:n] + lo
+                assert cols.tolist() == expected.tolist()
+            torch.testing.assert_close(
+                g.vals[m, t, :n].double(), pre[m, cols].clamp(min=0), rtol=2e-2, atol=1e-2
+            )
+
+
+@pytest.mark.parametrize(
+    "M,D,F,dtype", [(1, 64, 192, torch.float32), (67, 128, 320, torch.bfloat16), (7, 64, 128, torch.float32)]
+)
+def test_gate_format_is_exact(M, D, F, dtype, poisoned_empty):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, _, _ = paper_like_ffn_inputs(M, D, F, mean_active=F / 40, dtype=dtype, seed=seed)
+    make_rows_dense(x, [M // 2])
+    _check_format(x, wg, twell_gate(x, wg))
+
+
+def test_gate_counts_past_the_slots_on_overflow(poisoned_empty):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, _, _ = paper_like_ffn_inputs(33, 64, 192, mean_active=4.0, dtype=torch.float32, seed=seed)
+    make_units_always_active(wg, slice(64, 128))  # the whole second tile fires on every row
+    g = twell_gate(x, wg, slots=8, tile_n=64)
+    assert bool((g.counts[:, 1] >= 60).all())  # true counts, far past the 8 slots
+    _check_format(x, wg, g)
+
+
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((4, 100), (64, 100)), "d_model=100 must be a multiple of 64"),
+        (((4, 64), (100, 64)), "d_ff=100 must be a multiple of 64"),
+        (((4, 64), (64, 128)), "w_gate has d_model=128 but x has d_model=64"),
+        (((0, 64), (64, 64)), "at least one token"),
+    ],
+)
+def test_gate_rejects_bad_shapes(shapes, match):
+    x, w = torch.randn(*shapes[0]), torch.randn(*shapes[1])
+    with pytest.raises(ValueError, match=match):
+        twell_gate(x, w)
+
+
+def test_gate_rejects_bad_dtype_layout_and_options():
+    x, w = torch.randn(4, 64), torch.randn(64, 64)
+    with pytest.raises(ValueError, match="w_gate.dtype=torch.bfloat16 differs"):
+        twell_gate(x, w.bfloat16())
+    with pytest.raises(ValueError, match="int32 is not supported"):
+        twell_gate(x.int(), w.int())
+    with pytest.raises(ValueError, match="must be contiguous"):
+        twell_gate(torch.randn(64, 4).T, w)
+    with pytest.raises(ValueError, match="tile_n=96 is not supported"):
+        twell_gate(x, w, tile_n=96)
+    with pytest.raises(ValueError, match="slots=0 must be in"):
+        twell_gate(x, w, slots=0)
+
+
+@pytest.mark.gpu
+def test_gate_format_at_paper_size():
+    x, wg, _, _ = paper_like_ffn_inputs(16384, 2048, 5632, device="cuda", seed=11)
+    g = twell_gate(x, wg)
+    pre = (x.float() @ wg.float().T).view(16384, -1, g.tile_n)
+    ambiguous = (pre.abs() < 1e-2).sum(-1)
+    assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())

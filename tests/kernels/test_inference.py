@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from kernels import twell_ffn_inference
+from kernels.synthetic import (
+    make_rows_dense,
+    make_rows_heavy_tailed,
+    make_rows_silent,
+    make_units_always_active,
+    paper_like_ffn_inputs,
+)
+
+# The interpreter rounds fp32 -> bf16 by truncation (2x the error of the GPU's round-to-nearest).
+ROW_TOL = {torch.float32: 1e-4, torch.bfloat16: 2.5e-2}
+
+
+def _row_errors(y, x, wg, wu, wd):
+    """Per-row relative error against the float64 FFN on the same (rounded) inputs."""
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    ref = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd
+    return (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3), ref
+
+
+def _hard_inputs(M, D, F, dtype, seed):
+    """Paper-like activity plus every hard pattern: silent, fully dense and heavy-tailed rows, and one
+    column tile where every unit fires on the silent rows."""
+    x, wg, wu, wd = paper_like_ffn_inputs(M, D, F, mean_active=F / 40, dtype=dtype, seed=seed)
+    rows = torch.randperm(M, generator=torch.Generator().manual_seed(seed))
+    make_rows_heavy_tailed(x, rows[: max(1, M // 4)], seed=seed)
+    make_rows_silent(x, rows[-max(1, M // 8) :])
+    make_rows_dense(x, rows[:1])
+    make_units_always_active(wg, slice(F - 64, F))
+    return x, wg, wu, wd
+
+
+@pytest.mark.parametrize("schedule", ["row", "block"])
+@pytest.mark.parametrize(
+    "M,D,F,dtype",
+    [(67, 128, 320, torch.bfloat16), (7, 64, 192, torch.float32), (1, 64, 128, torch.bfloat16)],
+)
+def test_inference_matches_reference_on_hard_patterns(schedule, M, D, F, dtype, poisoned_empty):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, slots=8, return_stats=True)
+    assert y.dtype == dtype and y.shape == x.shape
+    err, ref = _row_errors(y, x, wg, wu, wd)
+    assert not torch.isnan(y).any()
+    assert err.max() < ROW_TOL[dtype], (
+        f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
+    )
+    if schedule == "row":  # the dense row overflows its 8 slots in every tile and must be counted
+        pre = x.double() @ wg.double().T
+        tiles = pre.view(M, -1, 64) > 0
+        assert int(stats.overflow_rows) == int((tiles.sum(-1) > 8).any(1).sum())
+        assert int(stats.overflow_rows) >= 1
+    else:
+        assert int(stats.overflow_rows) == 0
+
+
+def test_inference_all_zero_activity_gives_zero(poisoned_empty):
+    x, wg, wu, wd = paper_like_ffn_inputs(5, 64, 128, mean_active=3.0, dtype=torch.float32, seed=0)
+    make_rows_silent(x, slice(None))
+    for schedule in ("row", "block"):
+        y = twell_ffn_inference(x, wg, wu, wd, schedule=schedule)
+        assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_inference_rejects_bad_arguments():
+    x, w = torch.randn(4, 64), torch.randn(128, 64)
+    with pytest.raises(ValueError, match="w_down has shape"):
+        twell_ffn_inference(x, w, w, torch.randn(64, 64))
+    with pytest.raises(ValueError, match="schedule='fast' is not one of"):
+        twell_ffn_inference(x, w, w, w, schedule="fast")
+    with pytest.raises(ValueError, match="w_up is on"):
+        twell_ffn_inference(x, w, w.to("meta"), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["row", "block"])
+@pytest.mark.parametrize("M", [1, 37, 16384])
+def test_inference_at_paper_size(schedule, M):
+    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, return_stats=True)
+    ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
+    err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
+    assert err.max() < 1e-2

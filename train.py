@@ -1,0 +1,102 @@
+"""Entry point: compose the Hydra config, build model, data and trainer, train.
+
+    python train.py experiment=quickstart                      # small CPU-friendly run
+    python train.py model=1.5b --cfg job                       # print the composed configuration
+    torchrun --nproc_per_node=8 train.py experiment=paper_1.5b # data parallel (DDP)
+
+Every value is type-checked against the dataclass schemas in training/config.py; a bad one stops
+the run before anything is built, with a message naming it.
+"""
+
+import logging
+import os
+import random
+import sys
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data import build_train_stream, build_val_stream, load_tokenizer
+from model import Transformer
+from training.checkpoint import CheckpointError
+from training.config import JobConfig, register_configs
+from training.distributed import destroy, init_distributed
+from training.trainer import Trainer
+
+register_configs()
+
+
+def parse_config(cfg: DictConfig) -> JobConfig:
+    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value."""
+    try:
+        job = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"invalid configuration: {err}") from err
+    if not isinstance(job, JobConfig):
+        raise ValueError("the root config must compose onto `job_schema` (see configs/train.yaml)")
+    return job
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    # The model is initialised from the same seed on every rank (DDP also broadcasts it); the
+    # per-rank offset only matters for host-side randomness.
+    torch.manual_seed(seed)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def build_trainer(job: JobConfig) -> Trainer:
+    info = init_distributed(job.train.device)
+    seed_everything(job.train.seed, info.rank)
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    if len(tokenizer) > job.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {job.data.tokenizer!r} has {len(tokenizer)} tokens but model.vocab_size="
+            f"{job.model.vocab_size}; set model.vocab_size={len(tokenizer)} (or larger)"
+        )
+    model = Transformer(job.model)
+    tcfg = job.train
+    grad_accum = tcfg.grad_accum(info.world_size)
+    stream = build_train_stream(
+        job.data, tokenizer, tcfg.seq_len, tcfg.micro_batch, info.rank, info.world_size, grad_accum, tcfg.seed
+    )
+    val_batches = None
+    if job.eval.interval:
+        val_batches = build_val_stream(
+            job.data, tokenizer, tcfg.seq_len, tcfg.micro_batch, info.rank, info.world_size,
+            job.eval.val_batches, tcfg.seed,
+        )  # fmt: skip
+    return Trainer(job, model, stream, info, val_batches)
+
+
+def _exit_with(err: Exception) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        # Bad input (config values, data paths, tokenizer, checkpoints) ends the run with its
+        # message alone: the fix is in the message, a traceback would only bury it.
+        try:
+            trainer = build_trainer(parse_config(cfg))
+        except (ValueError, FileNotFoundError) as err:
+            _exit_with(err)
+        try:
+            trainer.fit()
+        except CheckpointError as err:
+            _exit_with(err)
+    finally:
+        destroy()
+
+
+if __name__ == "__main__":
+    main()

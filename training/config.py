@@ -1,0 +1,205 @@
+"""Root Hydra schema: every value of a training run has a type and is checked at start-up.
+
+configs/train.yaml selects one YAML per group (model, data, optim, train, sparsity, logging,
+checkpoint, eval); Hydra merges them into `JobConfig`, whose fields are typed, so a wrong type fails
+at composition. `OmegaConf.to_object` then builds the dataclasses, which runs each `__post_init__`:
+the checks that need values (ranges, choices, divisibility) live there and name the bad value and
+the fix.
+"""
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from data import DataConfig
+from model import ModelConfig
+from training.schedule import SCHEDULES
+
+
+def _choice(name: str, value: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}; set {name}=<one of them>")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value} must be {bound}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the LR schedule. Defaults are the paper's recipe (PAPER.md)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # The paper only says "weight decay 0.1". We decay every matrix (embeddings included: they are
+    # tied to the output layer) and leave the 1-D RMSNorm gains undecayed, as in nanoGPT/LLaMA.
+    decay_norm_gains: bool = False
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 600
+    min_lr_ratio: float = 0.0  # final LR as a fraction of the peak
+    decay_fraction: float = 0.2  # wsd only: the last fraction of steps that decays
+
+    def __post_init__(self):
+        _choice("optim.schedule", self.schedule, SCHEDULES)
+        _positive("optim.lr", self.lr)
+        _positive("optim.eps", self.eps)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    """Batch geometry, length, precision and the per-block wrappers."""
+
+    global_batch_tokens: int = 1_048_576  # tokens per optimizer step, all ranks together
+    micro_batch: int = 8  # sequences per forward on one rank
+    seq_len: int = 2048
+    steps: int = 30_000  # optimizer steps of the whole run
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    compile: bool = False  # torch.compile each transformer block
+    activation_checkpointing: bool = False  # recompute each block in the backward pass
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name
+
+    def __post_init__(self):
+        _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        _choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("global_batch_tokens", "micro_batch", "seq_len", "steps"):
+            _positive(f"train.{name}", getattr(self, name))
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("train.peak_flops", self.peak_flops, allow_zero=True)
+        rows = self.micro_batch * self.seq_len
+        if self.global_batch_tokens % rows:
+            raise ValueError(
+                f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                f"micro_batch * seq_len = {self.micro_batch} * {self.seq_len} = {rows}; "
+                f"pick a global batch of k * {rows} tokens"
+            )
+
+    @property
+    def global_batch_rows(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-steps per optimizer step on each rank; the global batch must split evenly."""
+        per_step = self.micro_batch * self.seq_len * world_size
+        if self.global_batch_tokens % per_step:
+            raise ValueError(
+                f"train.global_batch_tokens={self.global_batch_tokens} does not divide into "
+                f"micro_batch * seq_len * world_size = {self.micro_batch} * {self.seq_len} * "
+                f"{world_size} = {per_step}; change the global batch, the micro-batch or the "
+                f"number of processes"
+            )
+        return self.global_batch_tokens // per_step
+
+
+@dataclass
+class SparsityConfig:
+    """The L1 activation penalty and dead-unit re-initialisation (PAPER.md)."""
+
+    l1_coef: float = 0.0
+    l1_warmup_start: int = 0  # steps with the coefficient at 0 before the ramp starts
+    l1_warmup_steps: int = 0  # linear ramp of the coefficient from 0 to l1_coef
+    reinit_dead: bool = False
+    reinit_period: int = 1  # re-initialise every this many optimizer steps
+    dead_window_tokens: int = 0  # a unit is dead after this many tokens without firing; 0 = one step
+    reinit_lambda: float = 0.1  # W_g[j] <- (1 - lambda) W_g[j] + lambda N(0, sigma^2)
+    reinit_sigma: float = 0.02
+    reset_optimizer_moments: bool = False  # also zero that row's AdamW moments (paper is silent)
+
+    def __post_init__(self):
+        _positive("sparsity.l1_coef", self.l1_coef, allow_zero=True)
+        _positive("sparsity.l1_warmup_start", self.l1_warmup_start, allow_zero=True)
+        _positive("sparsity.l1_warmup_steps", self.l1_warmup_steps, allow_zero=True)
+        _positive("sparsity.reinit_period", self.reinit_period)
+        _positive("sparsity.dead_window_tokens", self.dead_window_tokens, allow_zero=True)
+        _positive("sparsity.reinit_sigma", self.reinit_sigma, allow_zero=True)
+        if not 0.0 <= self.reinit_lambda <= 1.0:
+            raise ValueError(f"sparsity.reinit_lambda={self.reinit_lambda} must be in [0, 1]")
+
+
+@dataclass
+class LoggingConfig:
+    console: bool = True  # tqdm progress bar with the latest metrics
+    jsonl: bool = True  # <run_dir>/metrics.jsonl, one record per logged step
+    log_interval: int = 10  # optimizer steps between metric reads (the only host syncs of the loop)
+    wandb_mode: str = "disabled"  # online | offline | disabled
+    wandb_project: str = "twell"
+    wandb_entity: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        _choice("logging.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
+        _positive("logging.log_interval", self.log_interval)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # default: <run_dir>/checkpoints
+    interval: int = 1000  # optimizer steps between checkpoints; 0 = only at the end / on SIGTERM
+    keep_last: int = 3  # complete checkpoints kept on disk; 0 keeps all
+    resume: str = "auto"  # auto (latest good one in dir, if any) | none | <path of a checkpoint>
+    save_final: bool = True
+
+    def __post_init__(self):
+        _positive("checkpoint.interval", self.interval, allow_zero=True)
+        _positive("checkpoint.keep_last", self.keep_last, allow_zero=True)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # optimizer steps between validation-loss runs; 0 = off
+    val_batches: int = 8  # micro-batches per rank per validation run
+
+    def __post_init__(self):
+        _positive("eval.interval", self.interval, allow_zero=True)
+        _positive("eval.val_batches", self.val_batches)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run_name: str = "run"
+    # Deterministic (no timestamp) so every torchrun rank agrees on it and a restarted job finds
+    # its own checkpoints.
+    run_dir: str = "outputs/${run_name}"
+
+    def __post_init__(self):
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and self.train.seq_len > max_len:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={max_len}; "
+                f"lower train.seq_len or raise model.max_seq_len"
+            )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.run_dir}/checkpoints"
+
+
+def register_configs() -> None:
+    """Make the schema known to Hydra; configs/train.yaml lists `job_schema` first in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)

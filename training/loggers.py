@@ -1,0 +1,153 @@
+"""Where metric records go: a tqdm progress bar, a JSONL file in the run dir, and wandb.
+
+Only rank 0 builds a RunLogger with sinks; the other ranks get one that does nothing. wandb is
+imported only when logging.wandb_mode is online or offline.
+"""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from training.config import LoggingConfig
+
+log = logging.getLogger(__name__)
+
+PER_LAYER_KEYS = (
+    "active_mean",
+    "active_max",
+    "active_frac",
+    "fired_frac",
+    "dead_frac",
+    "overflow_rows",
+    "reinit_units",
+)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class JsonlSink:
+    """One JSON object per logged step. On resume, records after the resumed step (written by the
+    run that died) are dropped so the file reads as one unbroken run."""
+
+    def __init__(self, path: Path, keep_through_step: int):
+        self.path = path
+        kept = []
+        if path.exists() and keep_through_step > 0:
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", math.inf) <= keep_through_step:
+                        kept.append(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ConsoleSink:
+    """A progress bar over optimizer steps; each record is also printed as one line above it."""
+
+    def __init__(self, total_steps: int, start_step: int):
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self.last_step = start_step
+
+    def log(self, record: dict) -> None:
+        step = record["step"]
+        self.bar.update(step - self.last_step)
+        self.last_step = step
+        keys = ("loss", "ce", "l1", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
+        if "loss" in record:
+            self.bar.set_postfix({k: _fmt(record[k]) for k in ("loss", "lr", "tokens_per_s")}, refresh=False)
+        line = " ".join(f"{k} {_fmt(record[k])}" for k in keys if k in record)
+        if "active_mean" in record:
+            means = record["active_mean"]
+            line += f" active/token {sum(means) / len(means):.1f} (layers {min(means):.1f}..{max(means):.1f})"
+            line += f" dead {sum(record['dead_frac']) / len(means):.1%}"
+        self.bar.write(f"step {step}: {line}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class WandbSink:
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict):
+        import wandb  # only here: runs without wandb never import it
+
+        # A stable id in the run dir lets a resumed job continue the same wandb run.
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self.run = wandb.init(
+            mode=cfg.wandb_mode,
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            tags=list(cfg.wandb_tags),
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
+
+    def log(self, record: dict) -> None:
+        flat = {}
+        for key, value in record.items():
+            if key in PER_LAYER_KEYS:  # one chart per quantity, one line per layer
+                flat.update({f"{key}/layer_{i:02d}": v for i, v in enumerate(value)})
+                flat[f"{key}/mean"] = sum(value) / len(value)
+            elif key != "step" and value is not None:
+                flat[key] = value
+        self.run.log(flat, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class RunLogger:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        run_name: str,
+        config: dict,
+        is_main: bool,
+        total_steps: int,
+        start_step: int,
+    ):
+        self.sinks = []
+        if not is_main:
+            return
+        if cfg.jsonl:
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", keep_through_step=start_step))
+        if cfg.console:
+            self.sinks.append(ConsoleSink(total_steps, start_step))
+        if cfg.wandb_mode != "disabled":
+            self.sinks.append(WandbSink(cfg, run_dir, run_name, config))
+
+    def log(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def info(self, message: str) -> None:
+        """A line for the console that does not break the progress bar."""
+        if self.sinks:
+            tqdm.write(message)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

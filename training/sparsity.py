@@ -1,0 +1,156 @@
+"""The training side of activation sparsity: L1 coefficient, activity statistics, dead units.
+
+Everything here stays on the device between log reads: the hot path only adds tensors. The only
+collective per optimizer step is one all-reduce of the per-unit fire counts (so every rank sees the
+same dead units); the rest is reduced when the trainer reads metrics on the logging cadence.
+"""
+
+import torch
+from torch import nn
+
+from training.config import SparsityConfig
+from training.distributed import all_reduce_
+
+
+def l1_coef_at(step: int, cfg: SparsityConfig) -> float:
+    """The L1 coefficient of the update that follows `step` completed updates.
+
+    0 for the first `l1_warmup_start` steps, then a linear ramp over `l1_warmup_steps` to l1_coef."""
+    if step < cfg.l1_warmup_start:
+        return 0.0
+    if cfg.l1_warmup_steps == 0:
+        return cfg.l1_coef
+    return cfg.l1_coef * min((step - cfg.l1_warmup_start + 1) / cfg.l1_warmup_steps, 1.0)
+
+
+class ActivityTracker:
+    """Per-layer FFN activity of the model, fed with `out.stats` of every micro-batch.
+
+    Two horizons: the log window (means, maxima, overflow, units that fired at least once, units
+    re-initialised) which `read()` reduces over ranks and resets; and per unit the tokens since it
+    last fired (all ranks together), which decides which units are dead after each step.
+    """
+
+    def __init__(self, n_layers: int, d_ff: int, device: torch.device, dead_window_tokens: int):
+        self.n_layers, self.d_ff = n_layers, d_ff
+        self.dead_window_tokens = dead_window_tokens  # 0: the last optimizer step's tokens
+        zeros = lambda dtype, *shape: torch.zeros(*shape, dtype=dtype, device=device)
+        self.step_fires = zeros(torch.int32, n_layers, d_ff)
+        self.step_tokens = 0  # this rank, this step (a host int: shapes are known on the host)
+        self.tokens_since_fire = zeros(torch.int64, n_layers, d_ff)
+        self.dead = zeros(torch.bool, n_layers, d_ff)
+        # log window
+        self.active_sum = zeros(torch.float64, n_layers)  # sum over tokens of active units
+        self.active_max = zeros(torch.float32, n_layers)
+        self.overflow_rows = zeros(torch.int64, n_layers)
+        self.fired_in_window = zeros(torch.bool, n_layers, d_ff)
+        self.reinit_units = zeros(torch.int64, n_layers)
+        self.window_tokens = 0
+        # routing window ("auto" FFN impl): mean active units since the last routing check
+        self.route_sum = zeros(torch.float64, n_layers)
+        self.route_tokens = 0
+
+    def add(self, stats) -> None:
+        """One micro-batch's ActivityStats (no host sync)."""
+        weighted = stats.active_mean.double() * stats.tokens
+        self.active_sum += weighted
+        self.route_sum += weighted
+        torch.maximum(self.active_max, stats.active_max, out=self.active_max)
+        self.overflow_rows += stats.overflow_rows
+        self.step_fires += stats.unit_fires
+        self.step_tokens += stats.tokens
+        self.window_tokens += stats.tokens
+        self.route_tokens += stats.tokens
+
+    def end_step(self, world_size: int) -> torch.Tensor:
+        """After a step's micro-batches: sum fires over ranks, age the units, return the dead mask."""
+        all_reduce_(self.step_fires)
+        fired = self.step_fires > 0
+        step_tokens = self.step_tokens * world_size  # every rank runs the same number of tokens
+        self.tokens_since_fire.add_(step_tokens).masked_fill_(fired, 0)
+        window = self.dead_window_tokens or step_tokens
+        torch.ge(self.tokens_since_fire, window, out=self.dead)
+        self.fired_in_window |= fired
+        self.step_fires.zero_()
+        self.step_tokens = 0
+        return self.dead
+
+    def route_mean(self) -> torch.Tensor:
+        """Mean active units per token per layer since the last call, over all ranks (float32 [L])."""
+        totals = all_reduce_(torch.cat([self.route_sum, self.route_sum.new_tensor([self.route_tokens])]))
+        self.route_sum.zero_()
+        self.route_tokens = 0
+        return (totals[:-1] / totals[-1].clamp_min(1)).float()
+
+    def read(self) -> dict:
+        """Reduce the log window over ranks, return per-layer Python lists, reset the window."""
+        sums = all_reduce_(
+            torch.cat(
+                [
+                    self.active_sum,
+                    self.active_sum.new_tensor([self.window_tokens]),
+                    self.overflow_rows.double(),
+                    self.reinit_units.double(),
+                ]
+            )
+        )
+        maxima = all_reduce_(self.active_max.clone(), op=torch.distributed.ReduceOp.MAX)
+        ever = all_reduce_(self.fired_in_window.to(torch.int32), op=torch.distributed.ReduceOp.MAX)
+        L = self.n_layers
+        active_mean = sums[:L] / sums[L].clamp_min(1)
+        record = {
+            "active_mean": active_mean.tolist(),
+            "active_max": maxima.tolist(),
+            "active_frac": (active_mean / self.d_ff).tolist(),
+            "fired_frac": ever.float().mean(dim=1).tolist(),
+            "dead_frac": self.dead.float().mean(dim=1).tolist(),
+            "overflow_rows": sums[L + 1 : 2 * L + 1].long().tolist(),
+            "reinit_units": sums[2 * L + 1 :].long().tolist(),
+        }
+        for t in (
+            self.active_sum,
+            self.active_max,
+            self.overflow_rows,
+            self.fired_in_window,
+            self.reinit_units,
+        ):
+            t.zero_()
+        self.window_tokens = 0
+        return record
+
+    def state_dict(self) -> dict:
+        # The dead-unit clock survives a resume; the log window restarts empty.
+        return {"tokens_since_fire": self.tokens_since_fire.cpu(), "dead": self.dead.cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens_since_fire.copy_(state["tokens_since_fire"])
+        self.dead.copy_(state["dead"])
+
+
+@torch.no_grad()
+def reinit_dead_gate_rows(
+    gate_weights: list[nn.Parameter],
+    dead: torch.Tensor,
+    step: int,
+    seed: int,
+    lam: float,
+    sigma: float,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.Tensor:
+    """W_g[j] <- (1 - lam) W_g[j] + lam N(0, sigma^2) for every dead unit j of every layer.
+
+    The noise comes from a generator seeded by (seed, step, layer), so every data-parallel rank
+    draws the same numbers and the replicas stay identical without a broadcast. With `optimizer`,
+    the AdamW moments of those rows are zeroed too. Returns the number of rows per layer (device).
+    """
+    for layer, (weight, dead_rows) in enumerate(zip(gate_weights, dead)):
+        gen = torch.Generator(device=weight.device)
+        gen.manual_seed((seed * 1_000_003 + step) * 1_009 + layer)
+        noise = torch.randn(weight.shape, generator=gen, device=weight.device, dtype=weight.dtype)
+        mask = dead_rows.unsqueeze(1)
+        weight.copy_(torch.where(mask, (1.0 - lam) * weight + (lam * sigma) * noise, weight))
+        if optimizer is not None:
+            for moment in optimizer.state.get(weight, {}).values():
+                if torch.is_tensor(moment) and moment.shape == weight.shape:
+                    moment.masked_fill_(mask, 0.0)
+    return dead.sum(dim=1)

@@ -1,0 +1,303 @@
+"""The training loop: one place to read what a step does.
+
+step = grad_accum micro-batches (forward under autocast, CE in fp32 + l1_coef * L1, backward; DDP
+all-reduces gradients only on the last micro-batch) -> clip -> AdamW -> dead-unit re-init ->
+metrics on the log cadence -> validation / checkpoint on theirs.
+
+Between log reads nothing waits for the GPU: losses and activity statistics accumulate in device
+tensors and are read (one sync) every logging.log_interval steps.
+"""
+
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from training.checkpoint import Checkpointer, capture_rng, restore_rng
+from training.config import JobConfig
+from training.distributed import DistInfo, all_reduce_, any_rank
+from training.loggers import RunLogger
+from training.metrics import mfu, peak_flops, peak_memory_gib
+from training.optim import build_optimizer, set_lr
+from training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
+
+log = logging.getLogger(__name__)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+    """Per-block activation checkpointing and torch.compile, applied from outside the model.
+
+    Both keep parameter names (and so checkpoints) unchanged: the checkpoint wrapper strips its
+    prefix from state dicts and Module.compile() compiles in place."""
+    for index, block in enumerate(model.layers):
+        if activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            block = checkpoint_wrapper(block)
+        if compile_blocks:
+            block.compile()
+        model.layers[index] = block
+
+
+class Trainer:
+    def __init__(
+        self,
+        job: JobConfig,
+        model: nn.Module,
+        train_stream: Iterator[dict],
+        info: DistInfo,
+        val_batches: Iterable[dict] | None = None,
+    ):
+        self.job, self.info, self.device = job, info, info.device
+        self.train_stream, self.val_batches = train_stream, val_batches
+        tcfg = job.train
+        self.grad_accum = tcfg.grad_accum(info.world_size)
+        self.precision = resolve_precision(tcfg.precision, self.device)
+        self.total_steps = tcfg.steps
+        self.run_dir = Path(job.run_dir)
+
+        self.model = model.to(self.device)  # the plain model: checkpoints, re-init, routing, eval
+        # Gate weights are collected before wrapping, which may hide the blocks behind a wrapper.
+        self.gate_weights = [block.ffn.w_gate for block in self.model.layers]
+        apply_block_wrappers(self.model, tcfg.activation_checkpointing, tcfg.compile)
+        self.forward_model = self.model
+        if info.enabled:
+            # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
+            # broadcasting them every forward would be a wasted collective.
+            self.forward_model = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
+        self.optimizer = build_optimizer(self.model, job.optim, self.device)
+        mcfg = job.model
+        self.tracker = ActivityTracker(mcfg.n_layers, mcfg.d_ff, self.device, job.sparsity.dead_window_tokens)
+        self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info)
+        self.step = 0
+        self.stop_requested = False
+        self.flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
+        self.peak_flops = peak_flops(self.device, self.precision, tcfg.peak_flops)
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.precision == "bf16"
+            else contextlib.nullcontext()
+        )
+        self._reset_window()
+
+    # ------------------------------------------------------------------ state
+    def _trainer_state(self) -> dict:
+        """Replicated state saved through DCP (identical on every rank)."""
+        return {"step": self.step, "tracker": self.tracker.state_dict()}
+
+    def _rank_state(self) -> dict:
+        """Per-rank state: where this rank's data stream is, and its RNGs."""
+        return {"data": self.train_stream.state_dict(), "rng": capture_rng(self.device)}
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpointer.save(
+            self.step, self.model, self.optimizer, self._trainer_state(), self._rank_state()
+        )
+        self._say(f"saved checkpoint {path}")
+        return path
+
+    def resume(self) -> int:
+        """Load the checkpoint named by checkpoint.resume; returns the step to continue from."""
+        resume = self.job.checkpoint.resume
+        if resume == "none":
+            return 0
+        template = self._trainer_state()
+        if resume == "auto":
+            found = self.checkpointer.load_latest(self.model, self.optimizer, template)
+            if found is None:
+                return 0
+            path, trainer_state, rank_state = found
+        else:
+            path = Path(resume)
+            trainer_state, rank_state = self.checkpointer.load(path, self.model, self.optimizer, template)
+        self.step = int(trainer_state["step"])
+        self.tracker.load_state_dict(trainer_state["tracker"])
+        self.train_stream.load_state_dict(rank_state["data"])
+        restore_rng(rank_state["rng"], self.device)
+        self._say(f"resumed from {path} at step {self.step}")
+        return self.step
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> list[dict]:
+        """Train to train.steps (or until SIGTERM); returns the logged records (rank 0)."""
+        start_step = self.resume()
+        self.logger = RunLogger(
+            self.job.logging,
+            self.run_dir,
+            self.job.run_name,
+            asdict(self.job),
+            self.info.is_main,
+            self.total_steps,
+            start_step,
+        )
+        self._say(
+            f"training {self.model.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
+            f"{self.device.type} ({self.precision}), grad_accum {self.grad_accum}, "
+            f"{self.job.train.global_batch_tokens} tokens/step, steps {start_step}..{self.total_steps}"
+        )
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        records = []
+        last_saved = start_step if start_step > 0 else None
+        try:
+            self.model.train()
+            self._reset_window()
+            while self.step < self.total_steps:
+                self.train_step()
+                if self.step % self.job.logging.log_interval == 0 or self.step == self.total_steps:
+                    records.append(self._log_window())
+                eval_interval = self.job.eval.interval
+                if self.val_batches is not None and eval_interval and self.step % eval_interval == 0:
+                    records.append(self._validate())
+                interval = self.job.checkpoint.interval
+                if interval and self.step % interval == 0:
+                    self.save_checkpoint()
+                    last_saved = self.step
+                    self._window_t0 = time.perf_counter()  # saving is not training time
+                if any_rank(self.stop_requested):
+                    self._say(f"SIGTERM: stopping at step {self.step}")
+                    break
+            if last_saved != self.step and (self.job.checkpoint.save_final or self.stop_requested):
+                self.save_checkpoint()
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+            self.logger.close()
+        return records
+
+    def train_step(self) -> None:
+        """One optimizer step over grad_accum micro-batches of this rank."""
+        lr = set_lr(self.optimizer, self.job.optim, self.step, self.total_steps)
+        l1_coef = l1_coef_at(self.step, self.job.sparsity)
+        for micro in range(self.grad_accum):
+            input_ids, labels = self._next_batch()
+            last = micro == self.grad_accum - 1
+            # DDP all-reduces gradients only after the last micro-batch of the step.
+            sync = contextlib.nullcontext() if last or not self.info.enabled else self.forward_model.no_sync()
+            with sync:
+                with self.autocast:
+                    out = self.forward_model(input_ids)
+                # CE in fp32 over the logits whatever the autocast dtype.
+                ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+                loss = ce + l1_coef * out.l1
+                (loss / self.grad_accum).backward()
+            self._ce_sum += ce.detach()
+            self._l1_sum += out.l1.detach()
+            self.tracker.add(out.stats)
+        # max_norm=inf measures without clipping when clipping is off.
+        clip = self.job.train.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        dead = self.tracker.end_step(self.info.world_size)
+        scfg = self.job.sparsity
+        if scfg.reinit_dead and self.step % scfg.reinit_period == 0:
+            self.tracker.reinit_units += reinit_dead_gate_rows(
+                self.gate_weights,
+                dead,
+                self.step,
+                self.job.train.seed,
+                scfg.reinit_lambda,
+                scfg.reinit_sigma,
+                self.optimizer if scfg.reset_optimizer_moments else None,
+            )
+        if self.job.model.ffn_impl == "auto" and self.step % self.job.model.twell_check_interval == 0:
+            self.model.update_ffn_routing(self.tracker.route_mean())
+
+        self._grad_norm_sum += grad_norm.detach()
+        self._window_steps += 1
+        self._lr, self._l1_coef = lr, l1_coef
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = next(self.train_stream)
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        if self.device.type == "cuda":
+            # Pinned host memory makes the copy asynchronous: the CPU moves on to queue the step.
+            input_ids, labels = input_ids.pin_memory(), labels.pin_memory()
+        return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ metrics
+    def _reset_window(self) -> None:
+        zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)
+        self._ce_sum, self._l1_sum, self._grad_norm_sum = zero(), zero(), zero()
+        self._window_steps = 0
+        self._window_t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _log_window(self) -> dict:
+        """Reduce the window's device sums over ranks and read them: the loop's only host sync."""
+        steps, micro = self._window_steps, self._window_steps * self.grad_accum
+        sums = torch.stack([self._ce_sum / micro, self._l1_sum / micro, self._grad_norm_sum / steps])
+        sums = all_reduce_(sums) / self.info.world_size
+        ce, l1, grad_norm = sums.tolist()
+        activity = self.tracker.read()
+        elapsed = time.perf_counter() - self._window_t0
+        tokens_per_s = steps * self.job.train.global_batch_tokens / elapsed
+        record = {
+            "step": self.step,
+            "tokens": self.step * self.job.train.global_batch_tokens,
+            "loss": ce + self._l1_coef * l1,
+            "ce": ce,
+            "l1": l1,
+            "l1_coef": self._l1_coef,
+            "lr": self._lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.info.world_size),
+            "peak_mem_gib": peak_memory_gib(self.device),
+            **activity,
+        }
+        self.logger.log(record)
+        self._reset_window()
+        return record
+
+    @torch.no_grad()
+    def _validate(self) -> dict:
+        """Mean CE over the validation micro-batches (the same ones every time), all ranks."""
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.val_batches:
+            input_ids = batch["input_ids"].to(self.device)
+            labels = batch["labels"].to(self.device)
+            with self.autocast:
+                logits = self.model(input_ids, with_stats=False).logits
+            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            total += torch.stack([ce.double(), total.new_tensor(labels.numel())])
+        all_reduce_(total)
+        self.model.train()
+        record = {"step": self.step, "val_loss": (total[0] / total[1].clamp_min(1)).item()}
+        self.logger.log(record)
+        self._window_t0 = time.perf_counter()
+        return record
+
+    # ------------------------------------------------------------------ misc
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only a flag: the loop saves at the end of the current step, on every rank together.
+        self.stop_requested = True
+
+    def _say(self, message: str) -> None:
+        if self.info.is_main:
+            logger = getattr(self, "logger", None)
+            if logger is not None:
+                logger.info(message)
+            else:
+                print(message, flush=True)

@@ -122,29 +122,21 @@ def _segment_axpy_kernel(
     acc0 = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
-    args = (
-        gidx_ptr,
-        c0_ptr,
-        c1_ptr,
-        c2_ptr,
-        s0_ptr,
-        s1_ptr,
-        offs_d,
-        mask_d,
-        stride_s0,
-        stride_s1,
-        MODE,
-        BLOCK_E,
-    )
     if WHILE_LOOP:
         # The interpreter (with numpy >= 2) cannot run range() over loaded bounds; a while loop works.
         e0 = start
         while e0 < end:
-            acc0, acc1, acc2 = _segment_step(e0, end, acc0, acc1, acc2, *args)
+            acc0, acc1, acc2 = _segment_step(
+                e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
+                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
+            )  # fmt: skip
             e0 += BLOCK_E
     else:
         for e0 in range(start, end, BLOCK_E):
-            acc0, acc1, acc2 = _segment_step(e0, end, acc0, acc1, acc2, *args)
+            acc0, acc1, acc2 = _segment_step(
+                e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
+                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
+            )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
     tl.store(o0_ptr + out_offs, acc0.to(o0_ptr.dtype.element_ty), mask=mask_d)
     if MODE >= 2:

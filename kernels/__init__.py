@@ -4,8 +4,7 @@ from . import reference, synthetic
 from .gate import TwELLGate, twell_gate
 from .inference import InferenceStats, twell_ffn_inference
 from .reference import FFNOutput
-
-# Training op (issue 4): add `from .train import twell_ffn` here once kernels/train.py exists.
+from .train import twell_ffn
 
 __all__ = [
     "FFNOutput",
@@ -13,6 +12,7 @@ __all__ = [
     "TwELLGate",
     "reference",
     "synthetic",
+    "twell_ffn",
     "twell_ffn_inference",
     "twell_gate",
 ]

@@ -1,0 +1,99 @@
+"""Load a model to evaluate: a Hugging Face folder, or a DCP checkpoint written by the trainer.
+
+A trainer checkpoint (`<run_dir>/checkpoints/step_XXXXXXXX/`, torch.distributed.checkpoint) holds
+tensors only, so the model's shape comes from the run's config: a `config.yaml` with a `model:`
+section found in the checkpoint folder or above it (the run dir), or a preset name given by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from model import ModelConfig, Transformer
+
+RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def latest_step_dir(path: Path) -> Path:
+    """A step folder itself, or the newest finished `step_*` in a checkpoints folder."""
+    if (path / ".metadata").is_file():
+        return path
+    steps = sorted(p for p in path.glob("step_*") if p.is_dir() and (p / ".metadata").is_file())
+    if not steps:
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint "
+            "(.metadata) nor a folder of step_* checkpoints"
+        )
+    return steps[-1]
+
+
+def find_run_config(step_dir: Path) -> dict | None:
+    """The run's composed config (as a dict) from the step folder or one of its parents."""
+    from omegaconf import OmegaConf
+
+    for folder in [step_dir, *step_dir.parents][:4]:
+        for name in RUN_CONFIG_NAMES:
+            candidate = folder / name
+            if candidate.is_file():
+                cfg = OmegaConf.to_container(OmegaConf.load(candidate), resolve=False)
+                if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
+                    return cfg
+    return None
+
+
+def model_config_for(step_dir: Path, preset: str | None, **overrides) -> tuple[ModelConfig, dict | None]:
+    run_cfg = find_run_config(step_dir)
+    if preset:
+        return ModelConfig.preset(preset, **overrides), run_cfg
+    if run_cfg is None:
+        raise FileNotFoundError(
+            f"no run config (config.yaml with a model: section) in or above {step_dir}; "
+            "pass the model shape by hand, e.g. model=tiny vocab_size=4096"
+        )
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {k: v for k, v in run_cfg["model"].items() if k in known and not str(k).startswith("_")}
+    return ModelConfig(**{**fields, **overrides}), run_cfg
+
+
+def load_dcp_model(step_dir: Path, cfg: ModelConfig) -> Transformer:
+    """Read only the model's tensors of a trainer checkpoint (optimizer state is left on disk)."""
+    import torch.distributed.checkpoint as dcp
+
+    net = Transformer(cfg)
+    state = net.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(step_dir))
+    net.load_state_dict(state)  # in place already; this also refreshes the FFN routing flags
+    return net
+
+
+def load_for_eval(
+    checkpoint: str | Path, preset: str | None = None, tokenizer: str | None = None, **overrides
+):
+    """(Transformer on CPU, tokenizer name or path) for a HF folder or a trainer checkpoint.
+
+    tokenizer: defaults to the HF folder itself, or the run config's data.tokenizer.
+    overrides: ModelConfig fields (e.g. vocab_size, ffn_impl).
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if is_hf_folder(path):
+        from model.hf_io import import_hf
+
+        _, net = import_hf(path, dtype=torch.float32, **overrides)
+        return net, tokenizer or str(path)
+    step_dir = latest_step_dir(path)
+    cfg, run_cfg = model_config_for(step_dir, preset, **overrides)
+    net = load_dcp_model(step_dir, cfg)
+    if tokenizer is None:
+        tokenizer = ((run_cfg or {}).get("data") or {}).get("tokenizer")
+        if not tokenizer:
+            raise ValueError(f"no tokenizer known for {step_dir}: pass tokenizer=<hub name or folder>")
+    return net, tokenizer

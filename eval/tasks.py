@@ -1,0 +1,100 @@
+"""Task presets and name resolution for lm-eval, online (hub datasets) or offline (local copies)."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from eval.offline_tasks import MANIFEST, OWN_TASKS_DIR, offline_task_names
+
+# The paper's seven zero-shot tasks, cloze formulation (answers scored as text after "Answer:").
+PAPER7 = [
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "openbookqa",
+    "piqa",
+    "winogrande",
+    "commonsense_qa_cloze",
+]
+OPTIONAL = ["boolq", "lambada_openai", "sciq", "mmlu"]
+PRESETS = {"paper7": PAPER7, "optional": OPTIONAL, "all": PAPER7 + OPTIONAL}
+
+DEFAULT_OFFLINE_DIR = Path(__file__).resolve().parents[1] / "offline" / "lm_eval_tasks"
+SETUP_HINT = "python scripts/setup_offline_eval.py"
+
+
+def expand_tasks(spec: str | Sequence[str]) -> list[str]:
+    """'paper7,boolq' or ['paper7', 'boolq'] -> task names, presets expanded, duplicates dropped."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names: list[str] = []
+    for item in (s.strip() for s in items):
+        for name in PRESETS.get(item, [item] if item else []):
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError(
+            f"no tasks given ({spec!r}); use a preset ({', '.join(PRESETS)}) or lm-eval task names"
+        )
+    return names
+
+
+def hub_offline() -> bool:
+    """True when HF_HUB_OFFLINE / HF_DATASETS_OFFLINE say the hub must not be used."""
+    flags = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(flag in ("1", "true", "yes", "on") for flag in flags)
+
+
+def offline_dir_default() -> Path:
+    return Path(os.environ.get("TWELL_OFFLINE_TASKS", DEFAULT_OFFLINE_DIR))
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_paths: tuple[str, ...]):
+    from lm_eval.tasks import TaskManager
+
+    # Later paths override earlier ones: our own tasks, then the offline copies.
+    return TaskManager(include_path=list(include_paths))
+
+
+def resolve_tasks(
+    spec: str | Sequence[str], offline: bool | None = None, offline_dir: str | Path | None = None
+):
+    """Validate task names and build the TaskManager that serves them.
+
+    offline: True -> the local copies in offline_dir (see scripts/setup_offline_eval.py);
+    False -> lm-eval's stock tasks (hub datasets); None -> offline iff HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE is set. Returns (task names, TaskManager).
+    """
+    names = expand_tasks(spec)
+    offline = hub_offline() if offline is None else offline
+    include = [str(OWN_TASKS_DIR)]
+    if offline:
+        folder = Path(offline_dir or offline_dir_default()).resolve()
+        available = offline_task_names(folder)
+        if not available:
+            raise FileNotFoundError(
+                f"offline evaluation data not found: {folder / MANIFEST} is missing. "
+                f"Build it once (needs PyPI): {SETUP_HINT} --out {folder}"
+            )
+        has_mmlu = any(n.startswith("mmlu_") for n in available)
+        missing = [n for n in names if n not in available and not (n.startswith("mmlu") and has_mmlu)]
+        if missing:
+            raise ValueError(
+                f"task(s) {missing} have no offline copy in {folder}; offline tasks: "
+                f"{', '.join(sorted(n for n in available if not n.startswith('mmlu_')))}, mmlu. "
+                "Unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE to use the hub datasets."
+            )
+        include.append(str(folder))
+    manager = _task_manager(tuple(include))
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, manager.all_tasks, n=3) for n in unknown}
+        raise ValueError(
+            f"unknown task(s) {unknown} (close matches: {hints}); use a preset "
+            f"({', '.join(f'{k}={v}' for k, v in PRESETS.items())}) or any lm-eval task name"
+        )
+    return names, manager

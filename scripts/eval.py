@@ -1,0 +1,86 @@
+"""Zero-shot lm-eval of a checkpoint: the paper's seven tasks by default.
+
+    python scripts/eval.py checkpoint=outputs/quickstart/checkpoints tasks=paper7 limit=100
+    python scripts/eval.py checkpoint=exported/sparselm-1.5b tasks=paper7,mmlu batch_size=32 device=cuda
+    python scripts/eval.py checkpoint=<step dir> model=tiny vocab_size=4096 tokenizer=offline/tokenizer
+
+checkpoint: a Hugging Face Llama folder (config.json; e.g. from scripts/hf.py export or a
+SakanaAI/SparseLM download) or a trainer checkpoint (a step_* folder, or the checkpoints folder:
+the newest step). A trainer checkpoint takes its shape from the run's config.yaml, or model=<preset>.
+Other keys: tasks (preset paper7/optional/all or lm-eval names, comma-separated), limit (examples
+per task), batch_size, device (cpu/cuda; default cuda if available), out (results JSON, default
+<checkpoint>/eval_results.json), offline (auto/true/false: use the local task copies made by
+scripts/setup_offline_eval.py; auto = when HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set),
+offline_tasks (that folder), tokenizer, ffn_impl, and any ModelConfig field as an override.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from data import load_tokenizer  # noqa: E402
+from eval.load import load_for_eval  # noqa: E402
+
+SCRIPT_KEYS = {"checkpoint", "model", "tokenizer", "tasks", "limit", "batch_size", "device", "out", "offline"}
+SCRIPT_KEYS |= {"offline_tasks"}
+
+
+def parse_args(argv: list[str]) -> tuple[dict, dict]:
+    """key=value words -> (script options, ModelConfig overrides with JSON-ish values)."""
+    options, overrides = {}, {}
+    for word in argv:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: expected key=value, got {word!r}\n\n{__doc__}")
+        if key in SCRIPT_KEYS:
+            options[key] = value
+        else:
+            try:
+                overrides[key] = json.loads(value)
+            except ValueError:
+                overrides[key] = value
+    if "checkpoint" not in options:
+        raise SystemExit(f"error: checkpoint=<path> is required\n\n{__doc__}")
+    return options, overrides
+
+
+def main(argv=None) -> None:
+    options, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
+
+    offline = {"auto": None, "true": True, "false": False}.get(options.get("offline", "auto").lower())
+    limit = options.get("limit")
+    limit = None if limit in (None, "", "none") else (float(limit) if "." in limit else int(limit))
+    device = options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    net, tokenizer_name = load_for_eval(
+        options["checkpoint"], preset=options.get("model"), tokenizer=options.get("tokenizer"), **overrides
+    )
+    tokenizer = load_tokenizer(tokenizer_name)
+    print(
+        f"model: {net.cfg.num_params() / 1e6:.1f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
+    )
+    results = run_lm_eval(
+        net.to(device),
+        tokenizer,
+        tasks=options.get("tasks", "paper7"),
+        limit=limit,
+        batch_size=int(options.get("batch_size", 8)),
+        offline=offline,
+        offline_dir=options.get("offline_tasks"),
+    )
+    from eval.report import save_results
+
+    checkpoint = Path(options["checkpoint"])
+    default_out = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval_results.json"
+    out = save_results(results, options.get("out") or default_out)
+    print(results["table"])
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

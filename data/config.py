@@ -1,0 +1,117 @@
+"""The ``data`` config group: where text comes from, how it is tokenized and held out.
+
+Also the Hydra structured-config schema of ``configs/data/*.yaml``, so every field is a plain typed
+value. ``validate()`` runs on construction and again when a stream is built (Hydra fills the
+fields after construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+SOURCES = ("local", "hub", "tokens")
+LOCAL_FORMATS = ("parquet", "json", "text")
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")
+_EXTENSION_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+
+
+@dataclass
+class DataConfig:
+    name: str = "local"
+    # "local": files on disk (parquet / jsonl / json / txt) through HF datasets;
+    # "hub": a dataset on the Hugging Face hub (hf_name, hf_subset, split), streamed;
+    # "tokens": pre-tokenized uint16/uint32 shards with a manifest.json (scripts/build_corpus.py).
+    source: str = "local"
+    # local: files, folders or globs, comma-separated; tokens: the corpus folder (or its manifest.json).
+    # Relative paths: under the working directory if they exist there, else under the project root.
+    path: str = "offline/sample/train-*.parquet"
+    # local only: parquet | json | text; None = from the file extension.
+    format: str | None = None
+    # txt files: one document per line, per blank-line-separated paragraph, or per file.
+    text_sample_by: str = "paragraph"
+    hf_name: str | None = None
+    hf_subset: str | None = None
+    hf_revision: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    # hub name (e.g. HuggingFaceTB/SmolLM2-360M) or a local tokenizer folder.
+    tokenizer: str = "offline/tokenizer"
+    # Held-out data, first match wins: files (local format), a named split (hub / tokens manifest),
+    # or the first val_docs documents of the training source (skipped by training).
+    val_path: str | None = None
+    val_split: str | None = None
+    val_docs: int = 0
+    # hub: stream (True) or download the whole split to the HF cache first (False).
+    streaming: bool = True
+    shuffle: bool = True
+    # documents are read in blocks of this many and each block is permuted (seed, epoch, block);
+    # also the unit of re-reading on resume. Local file order is shuffled per epoch too.
+    shuffle_buffer: int = 10_000
+    add_eos: bool = True
+    # most documents per tokenizer call (the fast tokenizer batches in Rust threads).
+    tokenize_batch: int = 256
+    # None: loop over the data forever (epochs are counted and logged).
+    max_epochs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source={self.source!r} is not one of {SOURCES}")
+        if self.source == "hub" and not self.hf_name:
+            raise ValueError(
+                "data.source='hub' needs data.hf_name (e.g. data.hf_name=HuggingFaceFW/fineweb-edu)"
+            )
+        if self.source in ("local", "tokens") and not self.path:
+            raise ValueError(f"data.source={self.source!r} needs data.path (files, a folder or a glob)")
+        if self.format is not None and self.format not in LOCAL_FORMATS:
+            raise ValueError(
+                f"data.format={self.format!r} is not one of {LOCAL_FORMATS} (or null = by extension)"
+            )
+        if self.text_sample_by not in TEXT_SAMPLE_BY:
+            raise ValueError(f"data.text_sample_by={self.text_sample_by!r} is not one of {TEXT_SAMPLE_BY}")
+        if not self.text_column:
+            raise ValueError("data.text_column is empty: name the column that holds the document text")
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer is empty: give a hub name or a local tokenizer folder")
+        for name in ("shuffle_buffer", "tokenize_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name}={getattr(self, name)} must be >= 1")
+        if self.val_docs < 0:
+            raise ValueError(
+                f"data.val_docs={self.val_docs} must be >= 0 (0 = no held-out head of the stream)"
+            )
+        if self.max_epochs is not None and self.max_epochs < 1:
+            raise ValueError(f"data.max_epochs={self.max_epochs} must be >= 1 or null (forever)")
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> DataConfig:
+        """A DataConfig from itself, a dict or an OmegaConf node (what Hydra hands to train.py)."""
+        if isinstance(cfg, cls):
+            cfg.validate()
+            return cfg
+        if not isinstance(cfg, Mapping):
+            try:  # DictConfig is not a Mapping subclass everywhere; avoid importing omegaconf here
+                cfg = dict(cfg.items())
+            except AttributeError as err:
+                raise TypeError(f"expected a DataConfig or a mapping, got {type(cfg).__name__}") from err
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"unknown data config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(cfg))
+
+    def local_format(self, files: list[str]) -> str:
+        """The datasets builder for local files: data.format, else from the first file's extension."""
+        if self.format is not None:
+            return self.format
+        for ext, fmt in _EXTENSION_FORMATS.items():
+            if files[0].endswith(ext):
+                return fmt
+        raise ValueError(
+            f"cannot tell the format of {files[0]!r} from its extension (known: {sorted(_EXTENSION_FORMATS)}); "
+            f"set data.format to one of {LOCAL_FORMATS}"
+        )

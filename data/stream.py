@@ -1,0 +1,301 @@
+"""Packed, resumable micro-batches laid out in lanes (docs/CONTRACTS.md, "data/").
+
+N = world_size * grad_accum lanes. Document number i belongs to lane i mod N; a lane joins its
+documents with EOS and is cut into rows of seq_len + 1 tokens, micro_batch rows per micro-batch.
+Rank r serves lanes r*A .. r*A + A - 1 in turn, so micro-step k of an optimizer step is lane r*A + k
+and the global batch of a step is the same for every (world_size, grad_accum) with the same
+product. Every rank reads the whole document sequence but tokenizes only its own lanes' documents.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from data.config import DataConfig
+from data.packing import LaneBuffer, rows_to_batch
+from data.reader import DocumentReader
+from data.sources import open_source
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class PackedStream:
+    """Iterator of {"input_ids", "labels"} int64 [micro_batch, seq_len] for one data-parallel rank."""
+
+    def __init__(
+        self,
+        reader: DocumentReader,
+        encode,
+        *,
+        eos_id: int,
+        add_eos: bool,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        grad_accum: int,
+        tokenize_batch: int,
+        layout: dict[str, Any],
+    ) -> None:
+        self.reader = reader
+        self.encode = encode  # list of documents -> list of token sequences
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.num_lanes = world_size * grad_accum
+        self.first_lane = rank * grad_accum
+        self.tokenize_batch = tokenize_batch
+        self.layout = layout
+        self._buffers = [LaneBuffer(eos_id, add_eos) for _ in range(grad_accum)]
+        self._next_lane = 0  # index into this rank's lanes: the micro-step within the optimizer step
+        self._docs_seen = 0
+        self._tokens_seen = 0
+        self._exhausted = False
+
+    @property
+    def epoch(self) -> int:
+        return self.reader.epoch
+
+    def __iter__(self) -> PackedStream:
+        return self
+
+    def __next__(self) -> dict:
+        buffer = self._buffers[self._next_lane]
+        need = self.micro_batch * (self.seq_len + 1)
+        while len(buffer) < need:
+            if self._exhausted:  # max_epochs reached: a partial micro-batch is never served
+                raise StopIteration
+            self._read_documents(need - len(buffer))
+        self._next_lane = (self._next_lane + 1) % len(self._buffers)
+        return rows_to_batch(buffer.take(need), self.micro_batch, self.seq_len)
+
+    def _read_documents(self, deficit: int) -> None:
+        """Read, tokenize and route a batch of this rank's documents, sized to cover about `deficit` tokens."""
+        lanes_here = len(self._buffers)
+        count = self.tokenize_batch
+        if self._docs_seen:
+            per_doc = max(1.0, self._tokens_seen / self._docs_seen)
+            count = min(self.tokenize_batch, lanes_here * math.ceil(deficit / per_doc))
+        numbers, docs = [], []
+        try:
+            for _ in range(max(1, count)):
+                number, doc = self.reader.next_document()
+                numbers.append(number)
+                docs.append(doc)
+        except StopIteration:
+            self._exhausted = True
+        for number, tokens in zip(numbers, self.encode(docs)):
+            self._buffers[number % self.num_lanes - self.first_lane].add_document(tokens)
+            self._docs_seen += 1
+            self._tokens_seen += len(tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values and int32 tensors (torch.save / weights_only friendly); per rank."""
+        return {
+            "version": STATE_VERSION,
+            "layout": dict(self.layout),
+            "reader": self.reader.state_dict(),
+            "buffers": [buffer.state_dict() for buffer in self._buffers],
+            "next_lane": self._next_lane,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')!r}, expected {STATE_VERSION}")
+        changed = {k: (v, self.layout.get(k)) for k, v in state["layout"].items() if self.layout.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: saved {old!r} now {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(
+                f"data state was saved with a different layout ({detail}); resume with the same "
+                "world_size * grad_accum, rank, seed and data settings, or start the data from scratch"
+            )
+        self.reader.load_state_dict(state["reader"])
+        for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
+            buffer.load_state_dict(tokens)
+        self._next_lane = state["next_lane"]
+        self._exhausted = False
+
+
+class ValidationBatches:
+    """The same num_batches validation micro-batches on every pass (re-iterable)."""
+
+    def __init__(self, make_stream, num_batches: int) -> None:
+        self._make_stream = make_stream
+        self.num_batches = num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        stream = self._make_stream()
+        for _ in range(self.num_batches):
+            yield next(stream)
+
+
+def build_train_stream(
+    cfg, tokenizer, seq_len: int, micro_batch: int, rank: int, world_size: int, grad_accum: int, seed: int
+) -> PackedStream:
+    cfg = DataConfig.from_any(cfg)
+    _check_layout(seq_len, micro_batch, rank, world_size, grad_accum)
+    source = open_source(cfg, "train", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    head = cfg.val_docs if _held_out_head(cfg) else 0
+    return _stream(
+        cfg,
+        tokenizer,
+        source,
+        seq_len,
+        micro_batch,
+        rank,
+        world_size,
+        grad_accum,
+        seed,
+        shuffle=cfg.shuffle,
+        skip_docs=head,
+        limit_docs=None,
+        max_epochs=cfg.max_epochs,
+    )
+
+
+def build_val_stream(
+    cfg,
+    tokenizer,
+    seq_len: int,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    num_batches: int,
+    seed: int = 0,
+) -> ValidationBatches:
+    """Held-out batches: data.val_path, data.val_split, or the first data.val_docs documents of the source.
+
+    world_size lanes, no shuffling; every pass yields the same num_batches micro-batches per rank
+    (wrapping around a small held-out set), so all ranks run the same number of steps.
+    """
+    cfg = DataConfig.from_any(cfg)
+    _check_layout(seq_len, micro_batch, rank, world_size, 1)
+    if num_batches < 1:
+        raise ValueError(f"num_batches={num_batches} must be >= 1")
+    if not (cfg.val_path or cfg.val_split or cfg.val_docs):
+        raise ValueError(
+            f"data config {cfg.name!r} has no held-out data: set data.val_path (files), data.val_split "
+            "(a hub or corpus split) or data.val_docs (hold out the first N documents)"
+        )
+    if cfg.source == "local" and cfg.val_split and not cfg.val_path:
+        raise ValueError("data.val_split needs a hub or token source; for local files set data.val_path")
+    source = open_source(cfg, "val", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    limit = cfg.val_docs if _held_out_head(cfg) else None
+
+    def make_stream() -> PackedStream:
+        return _stream(
+            cfg,
+            tokenizer,
+            source,
+            seq_len,
+            micro_batch,
+            rank,
+            world_size,
+            1,
+            seed,
+            shuffle=False,
+            skip_docs=0,
+            limit_docs=limit,
+            max_epochs=None,
+        )
+
+    return ValidationBatches(make_stream, num_batches)
+
+
+def _held_out_head(cfg: DataConfig) -> bool:
+    return cfg.val_docs > 0 and not cfg.val_path and not cfg.val_split
+
+
+def _stream(
+    cfg,
+    tokenizer,
+    source,
+    seq_len,
+    micro_batch,
+    rank,
+    world_size,
+    grad_accum,
+    seed,
+    *,
+    shuffle,
+    skip_docs,
+    limit_docs,
+    max_epochs,
+) -> PackedStream:
+    num_lanes = world_size * grad_accum
+    first, last = rank * grad_accum, rank * grad_accum + grad_accum
+    reader = DocumentReader(
+        source,
+        keep=lambda number: first <= number % num_lanes < last,
+        block_size=cfg.shuffle_buffer,
+        shuffle=shuffle,
+        seed=seed,
+        skip_docs=skip_docs,
+        limit_docs=limit_docs,
+        max_epochs=max_epochs,
+    )
+    layout = {
+        "num_lanes": num_lanes,
+        "rank": rank,
+        "grad_accum": grad_accum,
+        "seed": seed,
+        "shuffle": shuffle,
+        "block_size": cfg.shuffle_buffer,
+        "eos_id": tokenizer.eos_token_id,
+        "add_eos": cfg.add_eos,
+        "held_out_head": skip_docs,
+    }
+    encode = _token_passthrough if source.tokenized else _text_encoder(tokenizer)
+    return PackedStream(
+        reader,
+        encode,
+        eos_id=tokenizer.eos_token_id,
+        add_eos=cfg.add_eos,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        tokenize_batch=cfg.tokenize_batch,
+        layout=layout,
+    )
+
+
+def _text_encoder(tokenizer):
+    # A private copy of the Rust tokenizer: no special tokens added (we add EOS ourselves), and no
+    # truncation/padding left over from someone else's __call__ on the shared transformers object.
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(enc.ids, dtype=np.int64) for enc in encode_batch(texts, add_special_tokens=False)]
+
+    return encode
+
+
+def _token_passthrough(docs: list[np.ndarray]) -> list[np.ndarray]:
+    return docs
+
+
+def _check_layout(seq_len: int, micro_batch: int, rank: int, world_size: int, grad_accum: int) -> None:
+    for name, value in (
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("world_size", world_size),
+        ("grad_accum", grad_accum),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")

@@ -1,0 +1,62 @@
+"""Load the transformers fast tokenizer named by data.tokenizer (hub name or local folder)."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from data.paths import resolve_path
+
+_OFFLINE_FIX = (
+    "run `python scripts/prepare_offline_data.py` and use data.tokenizer=offline/tokenizer, or point "
+    "data.tokenizer at a local tokenizer folder"
+)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
+    """A fast tokenizer with an EOS token; clear errors for a missing folder or an uncached hub name offline."""
+    if not name_or_path:
+        raise ValueError(f"data.tokenizer is empty: {_OFFLINE_FIX}")
+    local = resolve_path(name_or_path)
+    if local.is_dir():
+        tokenizer = _from_pretrained(str(local), name_or_path, local=True)
+    elif _looks_like_path(name_or_path):
+        raise FileNotFoundError(f"tokenizer folder {name_or_path!r} does not exist: {_OFFLINE_FIX}")
+    else:
+        tokenizer = _from_pretrained(name_or_path, name_or_path, local=False)
+
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(
+            f"tokenizer {name_or_path!r} loaded as {type(tokenizer).__name__}, not a fast (Rust) tokenizer; "
+            "save it with tokenizer.json or pick a tokenizer that has one"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer {name_or_path!r} has no EOS token, which joins documents in packed rows; "
+            "set eos_token in its tokenizer_config.json (e.g. '<|endoftext|>')"
+        )
+    return tokenizer
+
+
+def _from_pretrained(target: str, name: str, *, local: bool) -> PreTrainedTokenizerFast:
+    try:
+        return AutoTokenizer.from_pretrained(target, use_fast=True)
+    except (OSError, ValueError) as err:
+        if local:
+            raise ValueError(f"cannot load tokenizer folder {name!r} ({err}); {_OFFLINE_FIX}") from err
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        why = "HF_HUB_OFFLINE=1 and it is not in the local HF cache" if offline else str(err)
+        raise ValueError(
+            f"cannot load tokenizer {name!r} from the hub: {why}. Fix: download it once with internet "
+            f"(python -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{name}')\"), "
+            f"or {_OFFLINE_FIX}"
+        ) from err
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; path syntax, or a first part that is a local folder
+    # (e.g. "offline/tokenizr"), means a folder was meant.
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return "/" in name and resolve_path(name.split("/")[0]).is_dir()

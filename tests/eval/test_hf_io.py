@@ -16,7 +16,9 @@ def hf_logits(folder, tokens):
 
 
 @pytest.mark.parametrize("n_kv_heads, tie", [(4, True), (2, False)])
-def test_export_loads_in_transformers_with_our_logits_and_imports_back(tmp_path, tiny_tokenizer, n_kv_heads, tie):
+def test_export_loads_in_transformers_with_our_logits_and_imports_back(
+    tmp_path, tiny_tokenizer, n_kv_heads, tie
+):
     cfg = ModelConfig(
         vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, d_ff=128,
         max_seq_len=64, rope_theta=float(torch.randint(1000, 200000, ()).item()), tie_embeddings=tie,
@@ -69,13 +71,17 @@ def write_sparselm_style_checkpoint(folder, d=64, f=192, layers=2, heads=4, voca
         shard.update({p + f"self_attn.{n}_proj.weight": w(d, d) for n in "qkvo"})
         shard.update({p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d)})
         shard[p + "mlp.down_proj.weight"] = w(d, f)  # [D, F], nn.Linear layout
-        shard.update({p + "input_layernorm.weight": 1 + w(d), p + "post_attention_layernorm.weight": 1 + w(d)})
+        shard.update(
+            {p + "input_layernorm.weight": 1 + w(d), p + "post_attention_layernorm.weight": 1 + w(d)}
+        )
     weight_map = {}
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-00002.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in shard})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return {k: v for shard in shards for k, v in shard.items()}
 
 

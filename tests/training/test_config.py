@@ -1,0 +1,88 @@
+"""The config tree composes into validated dataclasses, and bad values stop the run at start."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+from trainer_helpers import compose_job, run_cli
+
+from model import PRESETS, ModelConfig
+from training.config import JobConfig, TrainConfig
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_model_group_matches_the_presets(preset):
+    assert compose_job([f"model={preset}", "train.seq_len=512"]).model == ModelConfig.preset(preset)
+
+
+def test_paper_experiment_is_the_papers_recipe():
+    job = compose_job(["experiment=paper_1.5b"])
+    assert isinstance(job, JobConfig)
+    m = job.model
+    assert (m.d_model, m.n_layers, m.n_heads, m.d_ff, m.vocab_size, m.rope_theta) == (
+        2048,
+        28,
+        32,
+        5632,
+        49152,
+        1e5,
+    )
+    o = job.optim
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.warmup_steps, o.schedule, o.min_lr_ratio) == (
+        1e-3, 0.9, 0.95, 1e-8, 0.1, 600, "cosine", 0.0,
+    )  # fmt: skip
+    t = job.train
+    assert (t.global_batch_tokens, t.seq_len, t.steps, t.grad_clip) == (1_048_576, 2048, 30_000, 1.0)
+    assert t.grad_accum(world_size=8) == 8
+    s = job.sparsity
+    assert (s.l1_coef, s.reinit_dead, s.reinit_lambda, s.reinit_sigma) == (2e-5, True, 0.1, 0.02)
+    assert job.data.hf_name == "HuggingFaceTB/smollm-corpus"
+    assert job.run_dir == "outputs/paper_1.5b"
+    assert compose_job(["experiment=paper_1.5b", "sparsity=dense"]).sparsity.l1_coef == 0.0
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ConfigCompositionException, match="3b") as err:
+        compose_job(["model=3b"])
+    assert "1.5b" in str(err.value.__cause__ or err.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.steps=many", "steps"),
+        ("model.d_ff=5000", "d_ff=5000 must be a multiple of 64"),
+        ("train.precision=fp8", "train.precision='fp8'"),
+        ("optim.schedule=linear", "optim.schedule='linear'"),
+        ("train.global_batch_tokens=1000", "global_batch_tokens=1000 is not a multiple"),
+        ("train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
+        ("logging.wandb_mode=maybe", "logging.wandb_mode='maybe'"),
+        ("sparsity.reinit_lambda=2", "reinit_lambda=2"),
+        ("train.no_such_key=1", "no_such_key"),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_them(override, message):
+    with pytest.raises((ValueError, ValidationError, ConfigCompositionException), match=message):
+        compose_job(["model=1.5b", override])
+
+
+def test_global_batch_must_split_over_processes():
+    cfg = TrainConfig(global_batch_tokens=3 * 8 * 2048, micro_batch=8, seq_len=2048)
+    assert cfg.grad_accum(world_size=3) == 1
+    with pytest.raises(ValueError, match="does not divide into micro_batch \\* seq_len \\* world_size"):
+        cfg.grad_accum(world_size=2)
+
+
+def test_cli_prints_the_config_and_rejects_bad_values(tmp_path):
+    shown = run_cli(["model=1.5b", "--cfg", "job"])
+    assert shown.returncode == 0, shown.stderr
+    for line in (
+        "d_model: 2048",
+        "n_layers: 28",
+        "d_ff: 5632",
+        "l1_coef: 2.0e-05",
+        "global_batch_tokens: 1048576",
+    ):
+        assert line in shown.stdout
+    bad = run_cli(["train.global_batch_tokens=1000", f"run_dir={tmp_path}"])
+    assert bad.returncode == 2
+    assert "error: train.global_batch_tokens=1000 is not a multiple" in bad.stderr

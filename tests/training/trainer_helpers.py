@@ -1,0 +1,68 @@
+"""Helpers of the trainer tests: a tiny job built from the real config tree (configs/), run the way
+train.py runs it, in this process or as a subprocess (python train.py / torchrun)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # train.py lives at the project root, outside the packages
+    sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from training.config import JobConfig  # noqa: E402
+
+
+def tiny_overrides(offline: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """A model and batch small enough for a 2-core CPU: 2 layers, d 64, 4 x 32 tokens per micro-batch,
+    two micro-batches per step, one log record per step."""
+    return [
+        "model=tiny",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.d_ff=128",
+        "model.max_seq_len=64",
+        "sparsity=dense",
+        f"data.path={offline}/sample/train-*.parquet",
+        f"data.val_path={offline}/sample/val-*.parquet",
+        f"data.tokenizer={offline}/tokenizer",
+        "train.seq_len=32",
+        "train.micro_batch=4",
+        "train.global_batch_tokens=256",
+        f"train.steps={steps}",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=2",
+        "logging.log_interval=1",
+        "logging.console=false",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "checkpoint.save_final=false",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return train.parse_config(compose("train", overrides=overrides))
+
+
+def run_job(overrides: list[str]) -> list[dict]:
+    """Build and train in this process; returns the per-step training records."""
+    records = train.build_trainer(compose_job(overrides)).fit()
+    return [r for r in records if "loss" in r]
+
+
+def run_cli(args: list[str], torchrun: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    launcher = [sys.executable]
+    if torchrun:
+        # Two ranks share the two cores: one thread each.
+        env["OMP_NUM_THREADS"] = "1"
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+    return subprocess.run(
+        [*launcher, str(ROOT / "train.py"), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )

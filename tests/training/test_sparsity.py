@@ -1,0 +1,138 @@
+"""Sparsity in the loop: L1 coefficient schedule, activity and dead-unit bookkeeping on constructed
+patterns, gate-row re-initialisation (exact rows, right statistics, identical on 2 gloo ranks), and
+a real tiny run that a strong L1 makes sparser."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from trainer_helpers import compose_job, run_job, tiny_overrides
+
+import train
+from model import ActivityStats
+from training.config import SparsityConfig
+from training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
+
+
+def stats(
+    fires: list[list[int]], active_mean: list[float], active_max: list[float], tokens: int, overflow=(0, 0)
+):
+    return ActivityStats(
+        active_mean=torch.tensor(active_mean),
+        active_max=torch.tensor(active_max),
+        unit_fires=torch.tensor(fires, dtype=torch.int32),
+        overflow_rows=torch.tensor(overflow, dtype=torch.int32),
+        tokens=tokens,
+    )
+
+
+def test_l1_coefficient_warms_up_linearly():
+    cfg = SparsityConfig(l1_coef=2e-5, l1_warmup_start=10, l1_warmup_steps=4)
+    assert [l1_coef_at(s, cfg) for s in (0, 9)] == [0.0, 0.0]
+    assert [l1_coef_at(s, cfg) for s in (10, 11, 12, 13, 100)] == pytest.approx(
+        [0.5e-5, 1e-5, 1.5e-5, 2e-5, 2e-5]
+    )
+    assert l1_coef_at(0, SparsityConfig(l1_coef=2e-5)) == 2e-5
+
+
+def test_tracker_counts_on_constructed_patterns():
+    tracker = ActivityTracker(n_layers=2, d_ff=4, device=torch.device("cpu"), dead_window_tokens=0)
+    # step 1, two micro-batches of 10 tokens: layer 0 units 0 and 2 fire, layer 1 nothing.
+    tracker.add(stats([[3, 0, 0, 0], [0, 0, 0, 0]], [1.0, 0.0], [2.0, 0.0], 10, overflow=(1, 0)))
+    tracker.add(stats([[0, 0, 5, 0], [0, 0, 0, 0]], [3.0, 0.0], [4.0, 0.0], 10))
+    dead = tracker.end_step(world_size=1)
+    assert dead.tolist() == [[False, True, False, True], [True, True, True, True]]
+    assert tracker.tokens_since_fire.tolist() == [[0, 20, 0, 20], [20, 20, 20, 20]]
+    # step 2: only layer 0 unit 1 fires; a unit is now dead only after 30 tokens without firing.
+    tracker.dead_window_tokens = 30
+    tracker.add(stats([[0, 7, 0, 0], [0, 0, 0, 0]], [2.0, 0.0], [3.0, 0.0], 20))
+    dead = tracker.end_step(world_size=1)
+    assert tracker.tokens_since_fire.tolist() == [[20, 0, 20, 40], [40, 40, 40, 40]]
+    assert dead.tolist() == [[False, False, False, True], [True, True, True, True]]
+    record = tracker.read()
+    assert record["active_mean"] == pytest.approx([(10 + 30 + 40) / 40, 0.0])  # token-weighted
+    assert record["active_max"] == [4.0, 0.0]
+    assert record["active_frac"] == pytest.approx([2.0 / 4, 0.0])
+    assert record["fired_frac"] == [0.75, 0.0]  # units 0, 1, 2 fired at least once in the window
+    assert record["dead_frac"] == [0.25, 1.0]
+    assert record["overflow_rows"] == [1, 0]
+    # The window restarts empty; the dead-unit clock does not.
+    assert tracker.read()["fired_frac"] == [0.0, 0.0]
+    assert tracker.tokens_since_fire.tolist()[0] == [20, 0, 20, 40]
+
+
+def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics():
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(1024, 256) * 0.05) for _ in range(2)]
+    dead = torch.zeros(2, 1024, dtype=torch.bool)
+    dead[0, ::3] = True
+    dead[1, 5] = True
+    optimizer = torch.optim.AdamW(weights)
+    sum(w.square().sum() for w in weights).backward()
+    optimizer.step()  # AdamW moments exist now
+    before = [w.detach().clone() for w in weights]
+    counts = reinit_dead_gate_rows(weights, dead, step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer)
+    assert counts.tolist() == [342, 1]
+    for w, old, rows in zip(weights, before, dead):
+        moved = (w.detach() != old).any(dim=1)
+        assert torch.equal(moved, rows)  # exactly the dead rows changed
+        noise = (w.detach()[rows] - 0.9 * old[rows]) / 0.1
+        if rows.sum() > 100:  # enough values for the statistics
+            assert noise.mean().item() == pytest.approx(0.0, abs=1e-3)
+            assert noise.std().item() == pytest.approx(0.02, rel=0.02)
+        moments = optimizer.state[w]
+        assert torch.all(moments["exp_avg"][rows] == 0) and torch.all(moments["exp_avg_sq"][rows] == 0)
+        assert torch.all(moments["exp_avg"][~rows] != 0)
+    # The same (seed, step) draws the same noise; another step draws other noise.
+    again = [torch.nn.Parameter(old.clone()) for old in before]
+    reinit_dead_gate_rows(again, dead, step=7, seed=0, lam=0.1, sigma=0.02)
+    assert all(torch.equal(a, w) for a, w in zip(again, weights))
+    other = [torch.nn.Parameter(old.clone()) for old in before]
+    reinit_dead_gate_rows(other, dead, step=8, seed=0, lam=0.1, sigma=0.02)
+    assert not torch.equal(other[0], weights[0])
+
+
+def _reinit_on_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    torch.manual_seed(0)  # the replicas start identical, as under DDP
+    weights = [torch.nn.Parameter(torch.randn(64, 32) * 0.05) for _ in range(2)]
+    tracker = ActivityTracker(2, 64, torch.device("cpu"), dead_window_tokens=0)
+    fires = torch.zeros(2, 64, dtype=torch.int32)
+    fires[:, rank] = 1  # unit 0 fires only on rank 0, unit 1 only on rank 1: neither is dead
+    tracker.add(ActivityStats(torch.ones(2), torch.ones(2), fires, torch.zeros(2, dtype=torch.int32), 16))
+    dead = tracker.end_step(world_size)
+    reinit_dead_gate_rows(weights, dead, step=3, seed=0, lam=0.1, sigma=0.02)
+    torch.save({"dead": dead, "weights": [w.detach() for w in weights]}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_reinit_is_identical_on_two_gloo_ranks(tmp_path):
+    mp.spawn(_reinit_on_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert torch.equal(rank0["dead"], rank1["dead"])
+    assert rank0["dead"][:, :2].sum() == 0 and rank0["dead"][:, 2:].all()  # fires summed over ranks
+    assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"]))
+
+
+def test_strong_l1_makes_a_tiny_model_sparser(offline_data, tmp_path):
+    records = run_job(
+        tiny_overrides(offline_data, tmp_path, 30, "sparsity=paper_no_reinit", "sparsity.l1_coef=0.05",
+                       "logging.log_interval=5")
+    )  # fmt: skip
+    first, last = records[0], records[-1]
+    mean = lambda r: sum(r["active_mean"]) / len(r["active_mean"])
+    assert mean(last) < 0.3 * mean(first), [mean(r) for r in records]
+    assert last["l1"] < first["l1"]
+    assert last["l1_coef"] == 0.05 and last["loss"] == pytest.approx(last["ce"] + 0.05 * last["l1"])
+
+
+def test_auto_routing_is_rechecked_with_the_measured_activity(offline_data, tmp_path):
+    # A threshold above d_ff sends every layer to the sparse path at the first check (step 2).
+    overrides = tiny_overrides(offline_data, tmp_path, 2, "model.ffn_impl=auto", "model.twell_threshold=1000",
+                               "model.twell_check_interval=2")  # fmt: skip
+    trainer = train.build_trainer(compose_job(overrides))
+    assert trainer.model.ffn_routing() == [False, False]
+    trainer.fit()
+    assert trainer.model.ffn_routing() == [True, True]

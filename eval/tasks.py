@@ -54,10 +54,19 @@ def offline_dir_default() -> Path:
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(include_paths: tuple[str, ...]):
+    import logging
+
     from lm_eval.tasks import TaskManager
 
-    # Later paths override earlier ones: our own tasks, then the offline copies.
-    return TaskManager(include_path=list(include_paths))
+    # Later paths override earlier ones: our own tasks, then the offline copies. Those overrides
+    # are the point, so lm-eval's per-task "overrides existing task" warnings are muted.
+    index_log = logging.getLogger("lm_eval.tasks._index")
+    level = index_log.level
+    index_log.setLevel(logging.ERROR)
+    try:
+        return TaskManager(include_path=list(include_paths))
+    finally:
+        index_log.setLevel(level)
 
 
 def resolve_tasks(

@@ -29,7 +29,9 @@ def b64(number: int) -> str:
 
 def test_dictd_entries_are_sliced_by_index_and_cleaned(build_corpus, tmp_path, monkeypatch, make_docs):
     bodies = make_docs(5)
-    entries = [f'Word{i} \\W*ord"\\, n.\n   1. {body}\n      [1913 Webster]\n' for i, body in enumerate(bodies)]
+    entries = [
+        f'Word{i} \\W*ord"\\, n.\n   1. {body}\n      [1913 Webster]\n' for i, body in enumerate(bodies)
+    ]
     blob = "".join(entries).encode()
     index, offset = [], 0
     for i, entry in enumerate(entries):

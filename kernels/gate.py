@@ -5,6 +5,12 @@ ReLU and compacts every row of the tile in registers: a prefix sum over the posi
 positive value its slot, so the (column, value) entries land in order without atomics, without a dense
 h in memory and without a host sync. The count stored is the TRUE count of positives in the
 (row, tile); entries past `slots` are not stored and consumers must recompute such overflow tiles.
+
+Mainloop: operands come through TMA tensor descriptors on Hopper and later (no per-element pointer
+math or masks in the loop: out-of-range rows of the last block are zero-filled by the hardware), or
+through plain pointer loads elsewhere. The grid is either one program per tile or persistent (one
+program per SM walking tiles in a grouped, L2-friendly order). scripts/bench_gate.py times each
+variant against cuBLAS and against the same mainloop with a dense or no epilogue.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from ._common import (
     dot_in_fp32,
     dot_precision,
     interpreting,
+    next_pow2,
 )
+
+# What the epilogue writes; only TWELL is API, the others exist to time the mainloop in isolation.
+EPI_TWELL, EPI_DENSE, EPI_COUNTS = 0, 1, 2
+EPILOGUES = {"twell": EPI_TWELL, "dense": EPI_DENSE, "counts": EPI_COUNTS}
+_variant = {"loads": None, "persistent": None}  # None: the default for the device (see _gate_variant)
 
 
 class TwELLGate(NamedTuple):
@@ -48,17 +60,19 @@ def gate_tile_preact(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] tile of x @ w^T (x [M, D], w [F, D], row-major; D % BLOCK_K == 0; D is constexpr
-    because the interpreter cannot loop to a runtime bound inside a nested jit function)."""
+    """fp32 [BLOCK_M, BLOCK_N] tile of x @ w^T via pointer loads (x [M, D], w [F, D], row-major;
+    D % BLOCK_K == 0). Out-of-range rows/cols are clamped, not masked, so loads stay unpredicated and
+    vectorised; their results are garbage the caller must mask. D is constexpr because the
+    interpreter cannot loop to a runtime bound inside a nested jit function."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * D + ks[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * D + ks[:, None]
-    row_ok = rows[:, None] < M
-    col_ok = cols[None, :] < F
+    safe_rows = tl.minimum(rows, M - 1)
+    safe_cols = tl.minimum(cols, F - 1)
+    x_ptrs = x_ptr + safe_rows[:, None].to(tl.int64) * D + ks[None, :]
+    w_ptrs = w_ptr + safe_cols[None, :].to(tl.int64) * D + ks[:, None]
     for _ in range(0, D, BLOCK_K):
-        a = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        b = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        a = tl.load(x_ptrs)
+        b = tl.load(w_ptrs)
         if DOT_FP32:  # the interpreter's 16-bit tl.dot is wrong; upcast there only
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -69,125 +83,279 @@ def gate_tile_preact(
 
 
 @triton.jit
-def _twell_gate_kernel(
-    x_ptr,
-    w_ptr,
-    counts_ptr,
-    cols_ptr,
-    vals_ptr,
-    M,
-    F,
+def _gate_tile_tma(
+    x_desc,
+    w_desc,
+    off_m,
+    off_n,
     D: tl.constexpr,
-    T,
-    SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: consecutive programs share w tiles in L2 (the weight is the reused operand).
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * T
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    tile = (pid % per_group) // group_size
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    pre = gate_tile_preact(x_ptr, w_ptr, rows, cols, M, F, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
-
-    active = (pre > 0) & (cols[None, :] < F)
-    act_i = active.to(tl.int32)
-    slot = tl.cumsum(act_i, axis=1) - 1  # position of each positive value among its row's positives
-    count = tl.sum(act_i, axis=1)
-    row_ok = rows < M
-    tl.store(counts_ptr + rows.to(tl.int64) * T + tile, count, mask=row_ok)
-    keep = active & (slot < SLOTS) & row_ok[:, None]
-    entry = (rows[:, None].to(tl.int64) * T + tile) * SLOTS + slot
-    tl.store(cols_ptr + entry, cols[None, :].to(cols_ptr.dtype.element_ty), mask=keep)
-    tl.store(vals_ptr + entry, pre.to(vals_ptr.dtype.element_ty), mask=keep)
-
-
-def _gate_configs(tile_n: int) -> list[triton.Config]:
-    # A handful: 128-row tiles for large M (tensor-core efficiency), 64 rows for small M.
-    out = []
-    for bm, warps, stages in ((128, 8, 3), (128, 4, 4), (64, 4, 4), (64, 8, 3)):
-        if bm * tile_n > 128 * 256:
-            continue
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_K": 64}, num_warps=warps, num_stages=stages))
-    return out
-
-
-_TUNED: dict[int, object] = {}
-
-
-def _tuned_kernel(tile_n: int):
-    """The gate kernel autotuned over row-tile shapes for a fixed format width tile_n (= the N tile)."""
-    if tile_n not in _TUNED:
-        _TUNED[tile_n] = triton.autotune(configs=_gate_configs(tile_n), key=["M_BUCKET", "F", "D"])(
-            _launchable
-        )
-    return _TUNED[tile_n]
+    """Same tile through TMA descriptors (rows past M / cols past F read as zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, D, BLOCK_K):
+        a = x_desc.load([off_m, k])
+        b = w_desc.load([off_n, k])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
-def _launchable(
-    x_ptr,
-    w_ptr,
+def _twell_epilogue(
+    pre,
+    rows,
+    cols,
+    tile,
+    M,
+    F,
+    T,
     counts_ptr,
     cols_ptr,
     vals_ptr,
+    dense_ptr,
+    SLOTS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
+    row_ok = rows < M
+    if EPILOGUE == 1:  # dense relu store: the cost of a plain GEMM's epilogue, for comparison
+        off = rows[:, None].to(tl.int64) * F + cols[None, :]
+        tl.store(
+            dense_ptr + off,
+            tl.maximum(pre, 0.0).to(dense_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (cols[None, :] < F),
+        )
+    else:
+        active = (pre > 0) & (cols[None, :] < F)
+        act_i = active.to(tl.int32)
+        count = tl.sum(act_i, axis=1)
+        tl.store(counts_ptr + rows.to(tl.int64) * T + tile, count, mask=row_ok)
+        if EPILOGUE == 0:
+            slot = tl.cumsum(act_i, axis=1) - 1  # position of each positive among its row's positives
+            keep = active & (slot < SLOTS) & row_ok[:, None]
+            row_base = (rows.to(tl.int64) * T + tile) * SLOTS
+            entry = row_base[:, None] + slot
+            tl.store(cols_ptr + entry, cols[None, :].to(cols_ptr.dtype.element_ty), mask=keep)
+            tl.store(vals_ptr + entry, pre.to(vals_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _twell_gate_kernel(
+    x_src,
+    w_src,
+    counts_ptr,
+    cols_ptr,
+    vals_ptr,
+    dense_ptr,
     M,
     F,
-    D: tl.constexpr,
     T,
     M_BUCKET,
+    D: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
-    # M_BUCKET (a power of two) only keys the autotuning cache so decode and prefill tune apart.
-    _twell_gate_kernel(
-        x_ptr,
-        w_ptr,
-        counts_ptr,
-        cols_ptr,
-        vals_ptr,
-        M,
-        F,
-        D,
-        T,
-        SLOTS,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        DOT_FP32,
-        PRECISION,
-        GROUP_M,
+    # x_src / w_src are tensor descriptors when TMA, else pointers. M_BUCKET only keys autotuning.
+    n_tiles = tl.cdiv(M, BLOCK_M) * T
+    if PERSISTENT:  # GPU only: the interpreter cannot loop from a program id
+        for tile_id in range(tl.program_id(0), n_tiles, NUM_PROGS):
+            _gate_one_tile(
+                tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, DOT_FP32, PRECISION,
+            )  # fmt: skip
+    else:
+        _gate_one_tile(
+            tl.program_id(0), x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, DOT_FP32, PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gate_one_tile(
+    tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Grouped order: GROUP_M row blocks sweep all column tiles together, so the x rows of the group
+    # and the weight tiles both stay in L2.
+    n_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * T
+    group = tile_id // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % per_group) % group_size
+    tile = (tile_id % per_group) // group_size
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TMA:
+        pre = _gate_tile_tma(
+            x_src, w_src, pid_m * BLOCK_M, tile * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
+        )
+    else:
+        pre = gate_tile_preact(
+            x_src, w_src, rows, cols, M, F, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
+        )
+    _twell_epilogue(
+        pre, rows, cols, tile, M, F, T, counts_ptr, cols_ptr, vals_ptr, dense_ptr, SLOTS, EPILOGUE
     )
 
 
+def _set_desc_blocks(nargs):
+    """Autotune pre-hook: TMA descriptors carry the block shape, which depends on the config."""
+    if nargs["TMA"]:
+        nargs["x_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["w_src"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _configs(regime: str) -> list[triton.Config]:
+    # Few configs: each GPU run is short. Hopper wants 128-row tiles and 8 warps for the big GEMM;
+    # decode (M <= 64) is a GEMV that lives off bytes in flight: deep pipelines of wide K steps.
+    table = {
+        "large": [(128, 64, 8, 3), (128, 64, 8, 4)],
+        "mid": [(128, 64, 8, 3), (64, 64, 4, 4)],
+        "small": [(64, 64, 4, 4), (64, 128, 4, 3)],
+        "decode": [(None, 128, 4, 4), (None, 256, 4, 3), (None, 128, 4, 6)],
+    }[regime]
+    return [
+        triton.Config(
+            {"BLOCK_K": bk} if bm is None else {"BLOCK_M": bm, "BLOCK_K": bk},
+            num_warps=w,
+            num_stages=s,
+            pre_hook=_set_desc_blocks,
+        )
+        for bm, bk, w, s in table
+    ]
+
+
+_TUNED: dict[tuple, object] = {}
+
+
+def _tuned_kernel(regime: str):
+    if regime not in _TUNED:
+        _TUNED[regime] = triton.autotune(
+            configs=_configs(regime),
+            key=["M_BUCKET", "F", "D", "BLOCK_N", "SLOTS", "TMA", "PERSISTENT", "EPILOGUE"],
+        )(_twell_gate_kernel)
+    return _TUNED[regime]
+
+
+def _regime(M: int) -> str:
+    if M <= 64:
+        return "decode"
+    return "large" if M >= 2048 else ("mid" if M >= 256 else "small")
+
+
 def default_tile_n(M: int, F: int) -> int:
-    """Format width: 256 (the paper's) for large batches; narrower tiles give small batches more programs."""
+    """Format width: 256 (the paper's) for large batches; narrower tiles give small batches more
+    programs (decode: 32-wide tiles make F/32 programs, enough to stream w_gate at HBM speed)."""
     if interpreting():
         return 64
     if M >= 2048 and F >= 2048:
         return 256
-    return 128 if M >= 256 else 64
+    if M >= 256:
+        return 128
+    return 64 if M > 64 else 32
 
 
 def default_slots(tile_n: int) -> int:
     # ~1/8 of the tile: 32 entries at tile_n 256, far above the ~1.3 a typical row puts in a tile.
     return max(8, tile_n // 8)
+
+
+def set_gate_variant(loads: str | None = None, persistent: bool | None = None) -> None:
+    """Benchmark switch: loads "tma" | "ptr" | None (device default), persistent grid or not."""
+    if loads not in (None, "tma", "ptr"):
+        raise ValueError(f"loads={loads!r} must be 'tma', 'ptr' or None")
+    _variant["loads"], _variant["persistent"] = loads, persistent
+
+
+def _gate_variant(x: torch.Tensor) -> tuple[bool, bool]:
+    """(TMA loads, persistent grid): TMA needs Hopper+; the interpreter runs the TMA path too (it emulates
+    descriptors), so CPU tests cover the production mainloop."""
+    loads = _variant["loads"]
+    if loads is None:
+        tma = interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
+    else:
+        tma = loads == "tma"
+    persistent = bool(_variant["persistent"]) and not interpreting()
+    return tma, persistent
+
+
+def launch_gate(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    counts: torch.Tensor,
+    cols: torch.Tensor,
+    vals: torch.Tensor,
+    tile_n: int,
+    slots: int,
+    *,
+    epilogue: str = "twell",
+    dense: torch.Tensor | None = None,
+) -> None:
+    """Launch the gate kernel into given buffers (no checks: twell_gate and the benchmarks call this)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, D = x.shape
+    F = w_gate.shape[0]
+    T = cdiv(F, tile_n)
+    tma, persistent = _gate_variant(x)
+    if interpreting():
+        block_m, block_k = 32, 64
+    else:
+        block_m, block_k = 128, 64  # placeholders: the autotuner's pre-hook sets the real ones
+    regime = _regime(M)
+    fixed = {}
+    if regime == "decode" or interpreting():
+        fixed["BLOCK_M"] = block_m = max(16, next_pow2(M)) if not interpreting() else block_m
+    if tma:
+        x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_src = TensorDescriptor.from_tensor(w_gate, [tile_n, block_k])
+    else:
+        x_src, w_src = x, w_gate
+    num_progs = 1
+    if persistent:
+        num_progs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    args = (x_src, w_src, counts, cols, vals, dense if dense is not None else vals, M, F, T)
+    common = dict(
+        D=D,
+        SLOTS=slots,
+        BLOCK_N=tile_n,
+        GROUP_M=8,
+        TMA=tma,
+        PERSISTENT=persistent,
+        NUM_PROGS=num_progs,
+        EPILOGUE=EPILOGUES[epilogue],
+        DOT_FP32=dot_in_fp32(x.dtype),
+        PRECISION=dot_precision(x.dtype),
+    )
+    m_bucket = min(next_pow2(M), 1 << 17)
+    if interpreting():
+        grid = (cdiv(M, block_m) * T,)
+        _twell_gate_kernel[grid](*args, m_bucket, BLOCK_K=block_k, **fixed, **common)
+        return
+
+    def grid(meta):
+        tiles = cdiv(M, meta["BLOCK_M"]) * T
+        return (min(tiles, num_progs),) if persistent else (tiles,)
+
+    _tuned_kernel(regime)[grid](*args, m_bucket, **fixed, **common)
 
 
 def twell_gate(
@@ -199,8 +367,8 @@ def twell_gate(
     M, D = x.shape
     F = w_gate.shape[0]
     tile_n = default_tile_n(M, F) if tile_n is None else int(tile_n)
-    if tile_n not in (64, 128, 256):
-        raise ValueError(f"tile_n={tile_n} is not supported; use 64, 128 or 256")
+    if tile_n not in (32, 64, 128, 256):
+        raise ValueError(f"tile_n={tile_n} is not supported; use 32, 64, 128 or 256")
     slots = default_slots(tile_n) if slots is None else int(slots)
     if not 1 <= slots <= tile_n:
         raise ValueError(f"slots={slots} must be in [1, tile_n={tile_n}]")
@@ -209,21 +377,5 @@ def twell_gate(
     counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
     cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
     vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
-    common = dict(
-        SLOTS=slots,
-        BLOCK_N=tile_n,
-        DOT_FP32=dot_in_fp32(x.dtype),
-        PRECISION=dot_precision(x.dtype),
-        GROUP_M=8,
-    )
-    if interpreting():
-        block_m = 32
-        grid = (cdiv(M, block_m) * T,)
-        _twell_gate_kernel[grid](
-            x, w_gate, counts, cols, vals, M, F, D, T, BLOCK_M=block_m, BLOCK_K=64, **common
-        )
-    else:
-        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * T,)
-        m_bucket = min(triton.next_power_of_2(M), 1 << 17)
-        _tuned_kernel(tile_n)[grid](x, w_gate, counts, cols, vals, M, F, D, T, m_bucket, **common)
+    launch_gate(x, w_gate, counts, cols, vals, tile_n, slots)
     return TwELLGate(counts, cols, vals, tile_n, slots)

@@ -31,31 +31,65 @@ class InferenceStats(NamedTuple):
 
 
 @triton.jit
-def _entries_contribution(
+def _entry_chunk(
     x,
-    slot,
-    count,
-    row_tile,
+    e,
+    total,
+    incl,
+    excl,
+    ts,
+    row,
     cols_ptr,
     vals_ptr,
     wu_ptr,
     wd_ptr,
     ds,
     d_ok,
+    T: tl.constexpr,
     D: tl.constexpr,
     SLOTS: tl.constexpr,
 ):
-    """sum over the given TwELL slots of gate * (x . w_up[unit]) * w_down[unit] (fp32 [BLOCK_D])."""
-    slot_ok = slot < count
-    entry = row_tile * SLOTS + slot
-    units = tl.load(cols_ptr + entry, mask=slot_ok, other=0).to(tl.int64)
-    gate = tl.load(vals_ptr + entry, mask=slot_ok, other=0.0).to(tl.float32)
+    """sum over the row's flattened entries e (a [CH] vector of indices) of g * (x . w_up[j]) * w_down[j].
+
+    The row's entries are numbered across its tiles (tile t holds [excl[t], incl[t])), so one chunk can
+    span tiles: no serial walk over mostly-empty tiles, and CH independent row loads are in flight."""
+    ok = e < total
+    # tile of entry e = number of tiles that end at or before e; its first entry = excl of that tile
+    ends_before = (incl[None, :] <= e[:, None]) & (ts[None, :] < T)
+    tile_of = tl.sum(ends_before.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(ts[None, :] == tile_of[:, None], excl[None, :], 0), axis=1)
+    entry = (row * T + tile_of) * SLOTS + (e - start)
+    units = tl.load(cols_ptr + entry, mask=ok, other=0).to(tl.int64)
+    gate = tl.load(vals_ptr + entry, mask=ok, other=0.0).to(tl.float32)
     w_off = units[:, None] * D + ds[None, :]
-    live = slot_ok[:, None] & d_ok[None, :]
-    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+    live = ok[:, None] & d_ok[None, :]
+    # Both weight rows are issued before any math so their L2 latencies overlap; weights are the
+    # reused operand (other tokens hit the same hot units): keep them in L2.
+    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0, eviction_policy="evict_last")
+    wd = tl.load(wd_ptr + w_off, mask=live, other=0.0, eviction_policy="evict_last")
     h = gate * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-    wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
     return tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _overflow_tile(x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, ds, d_ok, F, D: tl.constexpr,
+                   TILE_N: tl.constexpr, OCH: tl.constexpr):  # fmt: skip
+    """A tile whose positives did not fit the slots: recompute it densely from w_gate (exact)."""
+    acc = tl.zeros(ds.shape, dtype=tl.float32)
+    for c0 in range(0, TILE_N, OCH):
+        units = tile * TILE_N + c0 + tl.arange(0, OCH)
+        unit_ok = units < F
+        w_off = units[:, None].to(tl.int64) * D + ds[None, :]
+        wg = tl.load(wg_ptr + w_off, mask=unit_ok[:, None] & d_ok[None, :], other=0.0)
+        gate = tl.maximum(tl.sum(wg.to(tl.float32) * x[None, :], axis=1), 0.0)
+        # Round like the TwELL values so both paths give the same numbers.
+        gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)
+        live = (gate > 0)[:, None] & d_ok[None, :]
+        wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+        wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
+        h = gate * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+    return acc
 
 
 @triton.jit
@@ -68,110 +102,137 @@ def _row_consumer_kernel(
     counts_ptr,
     cols_ptr,
     vals_ptr,
-    F: tl.constexpr,
+    F,
+    M_BUCKET,
     T: tl.constexpr,
+    T_PAD: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
     DYNAMIC_LOOPS: tl.constexpr,
 ):
+    # Program (row, part): part takes the row's chunks part, part + SPLIT, ... and its overflow tiles
+    # t = part mod SPLIT. SPLIT > 1 (decode: few rows, many SMs) adds into an fp32 y with atomics.
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
-    x = tl.load(x_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * D + ds, mask=d_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    ts = tl.arange(0, T_PAD)
+    counts = tl.load(counts_ptr + row * T + ts, mask=ts < T, other=0)
+    overflow = counts > SLOTS
+    listed = tl.where(overflow, 0, counts)  # overflow tiles are recomputed below, not read from slots
+    incl = tl.cumsum(listed, axis=0)
+    excl = incl - listed
+    total = tl.sum(listed, axis=0)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     lanes = tl.arange(0, CHUNK)
-    for tile in range(T):
-        count = tl.load(counts_ptr + row * T + tile)
-        if count > SLOTS:
-            # Overflow tile: the slots hold only part of it, so recompute the whole tile from w_gate.
-            for c0 in range(0, TILE_N, CHUNK):
-                units = tile * TILE_N + c0 + lanes
-                unit_ok = units < F
-                w_off = units[:, None].to(tl.int64) * D + ds[None, :]
-                wg = tl.load(wg_ptr + w_off, mask=unit_ok[:, None] & d_ok[None, :], other=0.0)
-                gate = tl.maximum(tl.sum(wg.to(tl.float32) * x[None, :], axis=1), 0.0)
-                # Round like the TwELL values so both paths give the same numbers.
-                gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)
-                live = (gate > 0)[:, None] & d_ok[None, :]
-                wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
-                h = gate * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-                wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
-                acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
-        else:
-            # Loop to the count on GPU; the interpreter cannot loop to a loaded bound, so it masks.
-            if DYNAMIC_LOOPS:
-                for s0 in range(0, count, CHUNK):
-                    acc += _entries_contribution(
-                        x,
-                        s0 + lanes,
-                        count,
-                        row * T + tile,
-                        cols_ptr,
-                        vals_ptr,
-                        wu_ptr,
-                        wd_ptr,
-                        ds,
-                        d_ok,
-                        D,
-                        SLOTS,
+    if DYNAMIC_LOOPS:
+        for e0 in range(part * CHUNK, total, SPLIT * CHUNK):
+            acc += _entry_chunk(
+                x,
+                e0 + lanes,
+                total,
+                incl,
+                excl,
+                ts,
+                row,
+                cols_ptr,
+                vals_ptr,
+                wu_ptr,
+                wd_ptr,
+                ds,
+                d_ok,
+                T,
+                D,
+                SLOTS,
+            )
+    else:  # the interpreter cannot loop to a loaded bound: walk every slot, masked
+        for e0 in range(0, T * SLOTS, SPLIT * CHUNK):
+            acc += _entry_chunk(
+                x, part * CHUNK + e0 + lanes, total, incl, excl, ts, row, cols_ptr, vals_ptr, wu_ptr, wd_ptr,
+                ds, d_ok, T, D, SLOTS,
+            )  # fmt: skip
+    if tl.sum(overflow.to(tl.int32), axis=0) > 0:  # rare: one scalar test per row otherwise
+        for tile in range(T):
+            if tile % SPLIT == part:
+                if tl.load(counts_ptr + row * T + tile) > SLOTS:
+                    acc += _overflow_tile(
+                        x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, ds, d_ok, F, D, TILE_N, CHUNK
                     )
-            else:
-                for s0 in range(0, SLOTS, CHUNK):
-                    acc += _entries_contribution(
-                        x,
-                        s0 + lanes,
-                        count,
-                        row * T + tile,
-                        cols_ptr,
-                        vals_ptr,
-                        wu_ptr,
-                        wd_ptr,
-                        ds,
-                        d_ok,
-                        D,
-                        SLOTS,
-                    )
-    tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
+    if SPLIT == 1:
+        tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        tl.atomic_add(y_ptr + row * D + ds, acc, mask=d_ok, sem="relaxed")
 
 
-def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n):
+def _consumer_configs() -> list[triton.Config]:
+    # CHUNK entries x 2 weight rows in flight per program vs registers ([CHUNK, D] bf16 slabs).
+    return [triton.Config({"CHUNK": ch}, num_warps=w) for ch, w in ((8, 8), (16, 8), (8, 4), (4, 4))]
+
+
+_tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", "D", "T", "SLOTS"])(
+    _row_consumer_kernel
+)
+
+DECODE_MAX_TOKENS = 64
+_settings = {"decode_split": 8}
+
+
+def set_decode_split(split: int) -> None:
+    """Benchmark switch: programs per row of the consumer at decode sizes (M <= 64)."""
+    if split < 1:
+        raise ValueError(f"decode split={split} must be >= 1")
+    _settings["decode_split"] = int(split)
+
+
+def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split):
     M, D = x.shape
+    F = w_gate.shape[0]
+    decode = M <= DECODE_MAX_TOKENS and not interpreting()
+    if decode and tile_n is None and slots is None:
+        # 32-wide tiles with 32 slots: the gate GEMV gets F/32 programs, and no tile can overflow.
+        tile_n = slots = 32
     gate = twell_gate(x, w_gate, slots=slots, tile_n=tile_n)
-    y = torch.empty_like(x)
+    T = gate.counts.shape[1]
+    if split is None:
+        split = _settings["decode_split"] if decode else 1
     block_d = next_pow2(D)
-    # Entries per step: enough loads in flight, while [CHUNK, D] weight slabs stay in registers.
-    chunk = max(2, min(16, 16384 // block_d, gate.slots))
-    chunk = min(next_pow2(chunk), gate.tile_n)
-    warps = 4 if block_d <= 1024 else 8
-    _row_consumer_kernel[(M,)](
-        x,
-        w_gate,
-        w_up,
-        w_down,
-        y,
-        gate.counts,
-        gate.cols,
-        gate.vals,
-        w_gate.shape[0],
-        gate.counts.shape[1],
+    common = dict(
+        T=T,
+        T_PAD=next_pow2(T),
         D=D,
         BLOCK_D=block_d,
         TILE_N=gate.tile_n,
         SLOTS=gate.slots,
-        CHUNK=chunk,
+        SPLIT=split,
         DYNAMIC_LOOPS=not interpreting(),
-        num_warps=warps,
     )
+    args = (x, w_gate, w_up, w_down)
+    fmt = (gate.counts, gate.cols, gate.vals, F, min(next_pow2(M), 1 << 17))
+    if split == 1 and not interpreting():
+        y = torch.empty_like(x)
+        _tuned_consumer[(M, 1)](*args, y, *fmt, **common)
+    else:
+        y32 = torch.zeros((M, D), dtype=torch.float32, device=x.device) if split > 1 else None
+        y = torch.empty_like(x)
+        chunk = min(16 if interpreting() else 4, next_pow2(gate.slots))
+        _row_consumer_kernel[(M, split)](
+            *args, y32 if split > 1 else y, *fmt, CHUNK=chunk, num_warps=4, **common
+        )
+        if split > 1:
+            y.copy_(y32)
     overflow_rows = (gate.counts > gate.slots).any(dim=1).sum(dtype=torch.int32)
     return y, InferenceStats(overflow_rows)
 
 
 def default_schedule(M: int) -> str:
-    """The block schedule unless the interpreter runs (it is exact too, just slower to interpret)."""
-    return "row" if interpreting() else "block"
+    """The per-row schedule (flattened entry chunks): the block schedule is kept only for comparison
+    until a GPU run shows it ahead somewhere (NOTES.md)."""
+    return "row"
 
 
 @torch.no_grad()
@@ -184,18 +245,20 @@ def twell_ffn_inference(
     schedule: str | None = None,
     slots: int | None = None,
     tile_n: int | None = None,
+    split: int | None = None,
     return_stats: bool = False,
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
     schedule: "row" or "block" (None: the faster one for this device). slots / tile_n: TwELL format
-    of the row schedule (see kernels.gate). With return_stats=True returns (y, InferenceStats).
+    of the row schedule (see kernels.gate); split: programs per row of its consumer (None: several
+    at decode sizes, where few rows must fill the GPU; 1 otherwise). With return_stats=True returns (y, InferenceStats).
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     schedule = default_schedule(x.shape[0]) if schedule is None else schedule
     if schedule == "row":
-        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n)
+        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split)
     elif schedule == "block":
         from .union import block_schedule
 

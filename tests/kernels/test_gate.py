@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kernels import twell_gate
+from kernels.gate import set_gate_variant
 from kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
 
 
@@ -37,11 +38,16 @@ def _check_format(x, w_gate, g):
 @pytest.mark.parametrize(
     "M,D,F,dtype", [(1, 64, 192, torch.float32), (67, 128, 320, torch.bfloat16), (7, 64, 128, torch.float32)]
 )
-def test_gate_format_is_exact(M, D, F, dtype, poisoned_empty):
+@pytest.mark.parametrize("loads", ["tma", "ptr"])
+def test_gate_format_is_exact(M, D, F, dtype, loads, poisoned_empty):
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, _, _ = paper_like_ffn_inputs(M, D, F, mean_active=F / 40, dtype=dtype, seed=seed)
     make_rows_dense(x, [M // 2])
-    _check_format(x, wg, twell_gate(x, wg))
+    set_gate_variant(loads=loads)
+    try:
+        _check_format(x, wg, twell_gate(x, wg))
+    finally:
+        set_gate_variant()
 
 
 def test_gate_counts_past_the_slots_on_overflow(poisoned_empty):
@@ -85,7 +91,8 @@ def test_gate_rejects_bad_dtype_layout_and_options():
 @pytest.mark.gpu
 def test_gate_format_at_paper_size():
     x, wg, _, _ = paper_like_ffn_inputs(16384, 2048, 5632, device="cuda", seed=11)
-    g = twell_gate(x, wg)
-    pre = (x.float() @ wg.float().T).view(16384, -1, g.tile_n)
-    ambiguous = (pre.abs() < 1e-2).sum(-1)
-    assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())
+    for M in (16384, 64):  # the GEMM and the decode GEMV regimes
+        g = twell_gate(x[:M], wg)
+        pre = (x[:M].float() @ wg.float().T).view(M, -1, g.tile_n)
+        ambiguous = (pre.abs() < 1e-2).sum(-1)
+        assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())

@@ -33,15 +33,15 @@ def _hard_inputs(M, D, F, dtype, seed):
     return x, wg, wu, wd
 
 
-@pytest.mark.parametrize("schedule", ["row", "block"])
+@pytest.mark.parametrize("schedule,split", [("row", 1), ("row", 3), ("block", None)])
 @pytest.mark.parametrize(
     "M,D,F,dtype",
     [(67, 128, 320, torch.bfloat16), (7, 64, 192, torch.float32), (1, 64, 128, torch.bfloat16)],
 )
-def test_inference_matches_reference_on_hard_patterns(schedule, M, D, F, dtype, poisoned_empty):
+def test_inference_matches_reference_on_hard_patterns(schedule, split, M, D, F, dtype, poisoned_empty):
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, slots=8, return_stats=True)
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, slots=8, split=split, return_stats=True)
     assert y.dtype == dtype and y.shape == x.shape
     err, ref = _row_errors(y, x, wg, wu, wd)
     assert not torch.isnan(y).any()

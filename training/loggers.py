@@ -7,6 +7,7 @@ imported only when logging.wandb_mode is online or offline.
 import json
 import logging
 import math
+import uuid
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -90,7 +91,7 @@ class WandbSink:
 
         # A stable id in the run dir lets a resumed job continue the same wandb run.
         id_file = run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self.run = wandb.init(
             mode=cfg.wandb_mode,

@@ -3,12 +3,14 @@ patterns, gate-row re-initialisation (exact rows, right statistics, identical on
 a real tiny run that a strong L1 makes sparser."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_helpers import compose_job, run_job, tiny_overrides
+from trainer_helpers import ROOT, compose_job, run_job, tiny_overrides
 
 import train
 from model import ActivityStats
@@ -126,6 +128,14 @@ def test_strong_l1_makes_a_tiny_model_sparser(offline_data, tmp_path):
     assert mean(last) < 0.3 * mean(first), [mean(r) for r in records]
     assert last["l1"] < first["l1"]
     assert last["l1_coef"] == 0.05 and last["loss"] == pytest.approx(last["ce"] + 0.05 * last["l1"])
+    # The per-layer plots of the run.
+    plotted = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plot_activity.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    assert (tmp_path / "activity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_auto_routing_is_rechecked_with_the_measured_activity(offline_data, tmp_path):

@@ -61,6 +61,16 @@ def test_resume_gives_bit_identical_losses(reference_run, tmp_path):
         assert loss == reference[step], f"step {step}: resumed {loss!r} != unbroken {reference[step]!r}"
 
 
+def test_activation_checkpointing_resumes_a_plain_checkpoint_exactly(reference_run, tmp_path):
+    # Recomputing each block in the backward pass changes no number, and the wrapper keeps the
+    # parameter names, so a checkpoint written without it loads into a run with it.
+    overrides, ref_dir, ref_records = reference_run
+    shutil.copytree(ref_dir / "checkpoints" / "step_00000008", tmp_path / "checkpoints" / "step_00000008")
+    resumed = run_job([*overrides, f"run_dir={tmp_path}", "train.activation_checkpointing=true"])
+    reference = losses(ref_records)
+    assert losses(resumed) == {step: reference[step] for step in range(9, 13)}
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference_run, tmp_path, caplog):
     overrides, ref_dir, _ = reference_run
     for step in (8, 12):

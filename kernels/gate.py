@@ -230,7 +230,7 @@ def _configs(regime: str) -> list[triton.Config]:
         "large": [(128, 64, 8, 3), (128, 64, 8, 4)],
         "mid": [(128, 64, 8, 3), (64, 64, 4, 4)],
         "small": [(64, 64, 4, 4), (64, 128, 4, 3)],
-        "decode": [(None, 128, 4, 4), (None, 256, 4, 3), (None, 128, 4, 6)],
+        "decode": [(None, 128, 4, 4), (None, 128, 8, 4), (None, 128, 4, 6)],
     }[regime]
     return [
         triton.Config(

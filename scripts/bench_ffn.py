@@ -5,6 +5,9 @@
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
     python scripts/bench_ffn.py --mode train                     # training kernels (scripts/bench_train.py)
 
+The gate is timed per grid variant (a program per tile / persistent) and the faster one is used for the
+FFN; 'sparse' = FFN - gate (row schedule), with TF/s of useful work (4 D per active pair) and the GB/s
+the weight rows would need if no two tokens shared one (2 rows of D per active pair).
 Every measured configuration is also checked row by row against a float32 reference (max relative
 error per row < 1e-2). Small batches run under CUDA graphs (launch overhead would dominate otherwise).
 """
@@ -21,6 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
+from kernels.gate import set_gate_variant  # noqa: E402
+from kernels.inference import DECODE_MAX_TOKENS  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
@@ -53,6 +58,25 @@ def row_errors(y, x, w_gate, w_up, w_down) -> torch.Tensor:
     return (y.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
 
 
+def gate_call(x, w_gate):
+    """twell_gate as the row schedule calls it (decode: 32-wide tiles, 32 slots)."""
+    if x.shape[0] <= DECODE_MAX_TOKENS:
+        return twell_gate(x, w_gate, tile_n=32, slots=32)
+    return twell_gate(x, w_gate)
+
+
+def pick_gate_variant(x, w_gate, graph, rep) -> tuple[str, dict]:
+    """Time the gate's grid variants (one program per tile / persistent) and keep the faster one."""
+    times = {}
+    options = {"tiles": False} if x.shape[0] <= DECODE_MAX_TOKENS else {"tiles": False, "persistent": True}
+    for name, persistent in options.items():
+        set_gate_variant(persistent=persistent)
+        times[name] = timed(lambda: gate_call(x, w_gate), graph, rep)
+    best = min(times, key=times.get)
+    set_gate_variant(persistent=options[best])
+    return best, times
+
+
 def bench_one(inputs, args, compiled) -> list[dict]:
     x, w_gate, w_up, w_down = inputs
     M, D = x.shape
@@ -73,27 +97,29 @@ def bench_one(inputs, args, compiled) -> list[dict]:
         active = (pre > 0).sum(1, dtype=torch.int32)
         mean_active = float(active.float().mean())
         del pre
-        flops_sparse = 4.0 * D * float(active.sum())  # up dot + down axpy per active (row, unit)
+        pairs = float(active.sum())
+        flops_sparse = 4.0 * D * pairs  # up dot + down axpy per active (row, unit)
+        bytes_sparse = 2.0 * D * x.element_size() * pairs  # w_up and w_down rows per pair, if not shared
         flops_dense = 6.0 * M * D * F
         dense_ms = timed(lambda: dense_ffn(pick(), w_gate, w_up, w_down), graph, args.rep)
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
-        gate_ms = timed(lambda: twell_gate(pick(), w_gate), graph, args.rep)
+        gate_variant, gate_times = pick_gate_variant(x, w_gate, graph, args.rep)
+        gate_ms = gate_times[gate_variant]
+        variants = [("row", s) for s in (args.decode_splits if M <= DECODE_MAX_TOKENS else [None])]
+        variants += [(s, None) for s in args.schedules if s != "row"]
         rows = []
-        for schedule in args.schedules:
-            y, stats = twell_ffn_inference(x, w_gate, w_up, w_down, schedule=schedule, return_stats=True)
+        for schedule, split in variants:
+            kw = dict(schedule=schedule, split=split)
+            y, stats = twell_ffn_inference(x, w_gate, w_up, w_down, return_stats=True, **kw)
             err = row_errors(y, x, w_gate, w_up, w_down)
-            ms = timed(
-                lambda s=schedule: twell_ffn_inference(pick(), w_gate, w_up, w_down, schedule=s),
-                graph,
-                args.rep,
-            )
+            ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - gate_ms, 1e-6) if schedule == "row" else None
             rows.append(
                 dict(
                     tokens=M,
                     d_model=D,
                     d_ff=F,
-                    schedule=schedule,
+                    schedule=schedule if split is None else f"{schedule}/s{split}",
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
@@ -101,9 +127,13 @@ def bench_one(inputs, args, compiled) -> list[dict]:
                     compiled_ms=comp_ms,
                     twell_ms=ms,
                     gate_ms=gate_ms,
+                    gate_variant=gate_variant,
+                    gate_times=gate_times,
+                    sparse_ms=sparse_ms,
                     speedup=dense_ms / ms,
                     speedup_vs_compiled=(comp_ms / ms) if comp_ms else None,
                     sparse_tflops=(flops_sparse / (sparse_ms * 1e9)) if sparse_ms else None,
+                    sparse_gbs=(bytes_sparse / (sparse_ms * 1e6)) if sparse_ms else None,
                     useful_tflops_total=flops_sparse / (ms * 1e9),
                     dense_tflops=flops_dense / (dense_ms * 1e9),
                     overflow_rows=int(stats.overflow_rows),
@@ -111,19 +141,25 @@ def bench_one(inputs, args, compiled) -> list[dict]:
                     correct=bool(err.max() < 1e-2),
                 )
             )
+        set_gate_variant()
         return rows
 
 
 def print_table(rows):
-    head = f"{'tokens':>7} {'d_ff':>5} {'sched':>5} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} {'x dense':>7} {'gate':>7} {'sp TF/s':>7} {'ovf':>4} {'maxerr':>8} ok"
+    head = (
+        f"{'tokens':>7} {'d_ff':>5} {'sched':>7} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
+        f"{'x dense':>7} {'gate':>7} {'gvar':>5} {'sparse':>7} {'sp TF/s':>7} {'sp GB/s':>7} {'ovf':>4} {'maxerr':>8} ok"
+    )
     print(head)
     for r in rows:
         comp = f"{r['compiled_ms']:8.3f}" if r["compiled_ms"] else f"{'-':>8}"
+        sp_ms = f"{r['sparse_ms']:7.3f}" if r["sparse_ms"] else f"{'-':>7}"
         sp = f"{r['sparse_tflops']:7.1f}" if r["sparse_tflops"] else f"{'-':>7}"
+        gbs = f"{r['sparse_gbs']:7.0f}" if r["sparse_gbs"] else f"{'-':>7}"
         print(
-            f"{r['tokens']:>7} {r['d_ff']:>5} {r['schedule']:>5} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} {comp} "
-            f"{r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} {sp} {r['overflow_rows']:>4} "
-            f"{r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else 'NO'}",
+            f"{r['tokens']:>7} {r['d_ff']:>5} {r['schedule']:>7} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
+            f"{comp} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} {r['gate_variant'][:5]:>5} "
+            f"{sp_ms} {sp} {gbs} {r['overflow_rows']:>4} {r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else 'NO'}",
             flush=True,
         )
 
@@ -136,6 +172,9 @@ def main(argv=None):
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--schedules", nargs="*", default=["row", "block"])
+    p.add_argument(
+        "--decode-splits", type=int, nargs="*", default=[8, 4, 1], help="consumer programs per row, M <= 64"
+    )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")

@@ -316,6 +316,8 @@ def launch_gate(
     F = w_gate.shape[0]
     T = cdiv(F, tile_n)
     tma, persistent = _gate_variant(x)
+    # TMA needs 16-byte aligned bases (a contiguous view may start mid-allocation): else plain loads.
+    tma = tma and x.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0
     if interpreting():
         block_m, block_k = 32, 64
     else:

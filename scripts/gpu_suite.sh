@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything we check and time on a GPU node, in one call (our H200 lease is short):
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity
+# Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
+# pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && ! python3 -c "import hydra, datasets" >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+stage_kernels() {
+  python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+  python3 scripts/bench_gate.py --out "$OUT/bench_gate.json" 2>&1 | tee "$OUT/bench_gate.txt"
+  python3 scripts/bench_ffn.py --d-ff 5632 --out "$OUT/bench_ffn.json" 2>&1 | tee "$OUT/bench_ffn.txt"
+  python3 scripts/bench_ffn.py --tokens 1 64 131072 --d-ff 8192 --schedules row --out "$OUT/bench_ffn_8192.json" 2>&1 | tee "$OUT/bench_ffn_8192.txt"
+  python3 scripts/bench_train.py --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.txt"
+}
+
+# Dense baselines of issue 2: one micro-batch of 8 x 2048 per step, bf16, fused AdamW, SDPA.
+stage_baselines() {
+  python3 scripts/prepare_offline_data.py >/dev/null
+  for preset in 0.5b 1.5b; do
+    for compile in false true; do
+      name="baseline_${preset}_compile_${compile}"
+      python3 train.py model=$preset sparsity=dense train.compile=$compile train.steps=40 \
+        train.global_batch_tokens=16384 train.micro_batch=8 train.seq_len=2048 optim.warmup_steps=10 \
+        checkpoint.interval=0 checkpoint.save_final=false eval.interval=0 logging.log_interval=10 \
+        run_name=$name run_dir="$OUT/$name" 2>&1 | grep -v "it/s\]" | tail -6
+    done
+  done
+}
+
+stage_fidelity() {
+  [ -d offline/corpus ] || { echo "offline/corpus missing: run scripts/build_corpus.py and carry it"; return 1; }
+  CUDA_VISIBLE_DEVICES=0 python3 train.py experiment=fidelity sparsity=dense run_name=fid_dense run_dir="$OUT/fid_dense" > "$OUT/fid_dense.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${FIDELITY_SECOND_GPU:-1} python3 train.py experiment=fidelity sparsity=paper run_name=fid_sparse run_dir="$OUT/fid_sparse" > "$OUT/fid_sparse.log" 2>&1 &
+  wait
+  tail -4 "$OUT/fid_dense.log" "$OUT/fid_sparse.log"
+}
+
+for stage in "${@:-kernels}"; do
+  echo "=== $stage"
+  "stage_$stage"
+done

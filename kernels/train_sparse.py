@@ -107,18 +107,35 @@ def _segment_step(
     return acc0, acc1, acc2
 
 
+@triton.jit
+def _store_sum(acc, out_ptr, part_ptr, out_offs, part_offs, direct, partial):
+    """A work item's sum goes straight to the output row, or to a partial row when its segment was split."""
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=direct)
+    tl.store(part_ptr + part_offs, acc, mask=partial)
+
+
 @_tuned(_configs((16, 32), (128, 256), (4, 8)), key=["D", "MODE"])
 @triton.jit
 def _segment_axpy_kernel(
-    seg_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, o0_ptr, o1_ptr, o2_ptr,
-    stride_s0, stride_s1, stride_o,
-    D: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
+    o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, n_seg, stride_s0, stride_s1, stride_o,
+    D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
+    # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of rows)
+    # is spread over many programs instead of one program that finishes long after the rest.
+    item = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    seg = tl.load(item_seg_ptr + item)
+    valid = seg < n_seg  # the grid is an upper bound on the number of items
+    seg = tl.minimum(seg, n_seg - 1)
+    first_item = tl.load(item_ptr_ptr + seg)
+    n_items = tl.load(item_ptr_ptr + seg + 1) - first_item
+    chunk = item - first_item
+    start = tl.load(seg_ptr + seg) + chunk * CHUNK
+    end = tl.minimum(tl.load(seg_ptr + seg + 1), start + CHUNK)
+    end = tl.where(valid, end, start)
     mask_d = offs_d < D
-    start = tl.load(seg_ptr + seg)
-    end = tl.load(seg_ptr + seg + 1)
     acc0 = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -138,11 +155,48 @@ def _segment_axpy_kernel(
                 offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
-    tl.store(o0_ptr + out_offs, acc0.to(o0_ptr.dtype.element_ty), mask=mask_d)
+    part_offs = (tl.load(part_ptr_ptr + seg) + chunk).to(tl.int64) * stride_o + offs_d
+    direct = mask_d & valid & (n_items == 1)
+    partial = mask_d & valid & (n_items > 1)
+    _store_sum(acc0, o0_ptr, p0_ptr, out_offs, part_offs, direct, partial)
     if MODE >= 2:
-        tl.store(o1_ptr + out_offs, acc1.to(o1_ptr.dtype.element_ty), mask=mask_d)
+        _store_sum(acc1, o1_ptr, p1_ptr, out_offs, part_offs, direct, partial)
     if MODE == 3:
-        tl.store(o2_ptr + out_offs, acc2.to(o2_ptr.dtype.element_ty), mask=mask_d)
+        _store_sum(acc2, o2_ptr, p2_ptr, out_offs, part_offs, direct, partial)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    item_ptr_ptr, part_ptr_ptr, p_ptr, o_ptr, stride_o, D: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[s] = sum of the partial rows of segment s, in chunk order (deterministic), for split segments."""
+    seg = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    n_items = tl.load(item_ptr_ptr + seg + 1) - tl.load(item_ptr_ptr + seg)
+    first = tl.load(part_ptr_ptr + seg)
+    n_parts = tl.where(n_items > 1, n_items, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if WHILE_LOOP:
+        j = 0
+        while j < n_parts:
+            acc += tl.load(p_ptr + (first + j).to(tl.int64) * stride_o + offs_d, mask=mask_d, other=0.0)
+            j += 1
+    else:
+        for j in range(0, n_parts):
+            acc += tl.load(p_ptr + (first + j).to(tl.int64) * stride_o + offs_d, mask=mask_d, other=0.0)
+    tl.store(
+        o_ptr + seg.to(tl.int64) * stride_o + offs_d,
+        acc.to(o_ptr.dtype.element_ty),
+        mask=mask_d & (n_items > 1),
+    )
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(counts.numel() + 1, device=counts.device, dtype=torch.int32)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=out[1:])
+    return out
 
 
 def segment_axpy(
@@ -152,21 +206,47 @@ def segment_axpy(
     sources: tuple[torch.Tensor, ...],
     outs: tuple[torch.Tensor, ...],
     mode: int,
+    chunk: int = 512,
 ) -> None:
     """Fill `outs` ([n_seg, D] each, fully written) with segment sums of gathered source rows.
 
     seg_ptr int32 [n_seg + 1] (segment s = entries seg_ptr[s]:seg_ptr[s+1]); gidx [nnz] the source
     row of each entry; coefs fp32 [nnz] each. The number of coefs/sources/outs follows `mode`.
+    Segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
+    second kernel adds up in order: no atomics, bit-identical results run to run, no host sync
+    (the grid and the partial buffer are sized by bounds known from nnz).
     """
     n_seg, D = outs[0].shape
     if n_seg == 0:
         return
+    nnz, device = gidx.numel(), gidx.device
     c = coefs + (coefs[0],) * (3 - len(coefs))
     s = sources + (sources[0],) * (2 - len(sources))
     o = outs + (outs[0],) * (3 - len(outs))
-    assert all(t.stride(1) == 1 for t in s + o) and len({t.stride(0) for t in o}) == 1
-    grid = lambda meta: (n_seg, triton.cdiv(D, meta["BLOCK_D"]))
+    assert all(t.stride(1) == 1 for t in s + o) and all(t.stride(0) == D for t in o)
+
+    seg_len = seg_ptr[1:] - seg_ptr[:-1]
+    n_items = ((seg_len + (chunk - 1)) // chunk).clamp_min(1)  # an empty segment still writes zeros
+    item_ptr = _exclusive_cumsum(n_items)
+    part_ptr = _exclusive_cumsum(torch.where(n_items > 1, n_items, 0))
+    # sum max(1, ceil(len / chunk)) <= n_seg + nnz / chunk; split segments have len > chunk, so
+    # their items, sum ceil(len / chunk) <= 2 * nnz / chunk, bound the partial rows.
+    max_items = n_seg + nnz // chunk + 1
+    max_parts = 2 * (nnz // chunk)
+    item_seg = torch.searchsorted(
+        item_ptr[1:], torch.arange(max_items, device=device, dtype=torch.int32), right=True
+    )
+    parts = torch.empty((len(outs), max(max_parts, 1), D), device=device, dtype=torch.float32)
+    p = tuple(parts[min(i, len(outs) - 1)] for i in range(3))
+
+    grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
     _segment_axpy_kernel[grid](
-        seg_ptr, gidx, c[0], c[1], c[2], s[0], s[1], o[0], o[1], o[2],
-        s[0].stride(0), s[1].stride(0), o[0].stride(0), D=D, MODE=mode, WHILE_LOOP=interpreting(),
+        seg_ptr, item_seg.to(torch.int32), item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
+        o[0], o[1], o[2], p[0], p[1], p[2], n_seg, s[0].stride(0), s[1].stride(0), o[0].stride(0),
+        D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
     )  # fmt: skip
+    if max_parts:
+        for i, out in enumerate(outs):
+            _sum_partials_kernel[(n_seg, triton.cdiv(D, 256))](
+                item_ptr, part_ptr, parts[i], out, out.stride(0), D=D, WHILE_LOOP=interpreting(), BLOCK_D=256
+            )

@@ -19,6 +19,7 @@ from kernels.synthetic import (
     paper_like_ffn_inputs,
 )
 from kernels.train import WGRAD_VARIANTS, set_wgrad_variant, twell_ffn
+from kernels.train_sparse import ONE, SPLIT3, SUM2, sampled_dot, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -233,6 +234,52 @@ def test_custom_ops_pass_opcheck():
         (x, w_gate, w_up, w_down),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3])
+def test_segment_sums_split_long_segments_exactly(mode):
+    # Segments of 0 .. 40 entries with chunk 8: empty, single-chunk and many-chunk segments (a hot unit).
+    n_seg, n_src, D = 11, 13, 64
+    lengths = torch.randint(0, 12, (n_seg,))
+    lengths[torch.randint(0, n_seg, (2,))] = torch.tensor([0, 40])
+    seg_ptr = torch.zeros(n_seg + 1, dtype=torch.int32)
+    seg_ptr[1:] = lengths.cumsum(0)
+    nnz = int(seg_ptr[-1])
+    gidx = torch.randint(0, n_src, (nnz,), dtype=torch.int32)
+    coefs = tuple(torch.randn(nnz) for _ in range(3))
+    sources = (torch.randn(n_src, D), torch.randn(n_src, D))
+    owner = torch.repeat_interleave(torch.arange(n_seg), lengths)
+
+    def seg_sum(coef, src):
+        return torch.zeros(n_seg, D, dtype=torch.float64).index_add_(
+            0, owner, coef.double()[:, None] * src.double()[gidx.long()]
+        )
+
+    if mode == ONE:
+        expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources[:1])
+    elif mode == SUM2:
+        expected, used = [seg_sum(coefs[0], sources[0]) + seg_sum(coefs[1], sources[1])], (coefs[:2], sources)
+    else:
+        expected = [
+            seg_sum(coefs[0], sources[0]),
+            seg_sum(coefs[1], sources[0]),
+            seg_sum(coefs[2], sources[1]),
+        ]
+        used = (coefs, sources)
+    outs = tuple(
+        torch.full((n_seg, D), float("nan")) for _ in expected
+    )  # poisoned: every row must be written
+    segment_axpy(seg_ptr, gidx, *used, outs, mode, chunk=8)
+    for out, ref in zip(outs, expected):
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_dot_matches_gathered_rows():
+    a, b = torch.randn(9, 128), torch.randn(17, 128)
+    rows, cols = torch.randint(0, 9, (37,), dtype=torch.int32), torch.randint(0, 17, (37,), dtype=torch.int32)
+    expected = (a.double()[rows.long()] * b.double()[cols.long()]).sum(1)
+    got = sampled_dot(*(t.to(DEVICE) for t in (rows, cols, a, b)))
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ Every value is type-checked against the dataclass schemas in training/config.py;
 the run before anything is built, with a message naming it.
 """
 
+import gc
 import logging
 import os
 import random
@@ -57,7 +58,12 @@ def build_trainer(job: JobConfig) -> Trainer:
             f"tokenizer {job.data.tokenizer!r} has {len(tokenizer)} tokens but model.vocab_size="
             f"{job.model.vocab_size}; set model.vocab_size={len(tokenizer)} (or larger)"
         )
-    model = Transformer(job.model)
+    # Built on the meta device and materialised where it trains: a 1.5B model is initialised on
+    # the GPU in a moment instead of on the CPU (same seed on every rank; DDP broadcasts rank 0's).
+    with torch.device("meta"):
+        model = Transformer(job.model)
+    model.to_empty(device=info.device)
+    model.init_weights()
     tcfg = job.train
     grad_accum = tcfg.grad_accum(info.world_size)
     stream = build_train_stream(
@@ -72,9 +78,21 @@ def build_trainer(job: JobConfig) -> Trainer:
     return Trainer(job, model, stream, info, val_batches)
 
 
-def _exit_with(err: Exception) -> None:
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)
+def run(cfg: DictConfig) -> int:
+    """Build and train; returns the exit status. Bad input (config values, data paths, tokenizer,
+    checkpoints) ends the run with its message alone: the fix is in the message, a traceback would
+    only bury it."""
+    try:
+        trainer = build_trainer(parse_config(cfg))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit()
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
@@ -84,18 +102,13 @@ def main(cfg: DictConfig) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        # Bad input (config values, data paths, tokenizer, checkpoints) ends the run with its
-        # message alone: the fix is in the message, a traceback would only bury it.
-        try:
-            trainer = build_trainer(parse_config(cfg))
-        except (ValueError, FileNotFoundError) as err:
-            _exit_with(err)
-        try:
-            trainer.fit()
-        except CheckpointError as err:
-            _exit_with(err)
+        status = run(cfg)
     finally:
+        # DDP's reducer holds the process group: free it (it sits in reference cycles) before the
+        # group is destroyed, or gloo's destructor can wait forever for a peer that already left.
+        gc.collect()
         destroy()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

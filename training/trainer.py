@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training.checkpoint import Checkpointer, capture_rng, restore_rng
+from training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
 from training.config import JobConfig
 from training.distributed import DistInfo, all_reduce_, any_rank
 from training.loggers import RunLogger
@@ -127,6 +127,11 @@ class Trainer:
             path, trainer_state, rank_state = found
         else:
             path = Path(resume)
+            if not path.is_dir():
+                raise CheckpointError(
+                    f"checkpoint.resume={resume} is not a folder; give a step_XXXXXXXX checkpoint folder, "
+                    f"or use checkpoint.resume=auto (latest in {self.checkpointer.dir}) or none"
+                )
             trainer_state, rank_state = self.checkpointer.load(path, self.model, self.optimizer, template)
         self.step = int(trainer_state["step"])
         self.tracker.load_state_dict(trainer_state["tracker"])

@@ -1,10 +1,13 @@
 """The config tree composes into validated dataclasses, and bad values stop the run at start."""
 
+import re
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
-from trainer_helpers import compose_job, run_cli
+from trainer_helpers import compose_cfg, compose_job, run_cli, tiny_overrides
 
+import train
 from model import PRESETS, ModelConfig
 from training.config import JobConfig, TrainConfig
 
@@ -86,3 +89,21 @@ def test_cli_prints_the_config_and_rejects_bad_values(tmp_path):
     bad = run_cli(["train.global_batch_tokens=1000", f"run_dir={tmp_path}"])
     assert bad.returncode == 2
     assert "error: train.global_batch_tokens=1000 is not a multiple" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.path=/nowhere/train-*.parquet", "/nowhere/train-\\*.parquet"),
+        ("data.tokenizer=/nowhere/tokenizer", "/nowhere/tokenizer"),
+        (
+            "checkpoint.resume=/nowhere/step_00000010",
+            "checkpoint.resume=/nowhere/step_00000010 is not a folder",
+        ),
+        ("model.vocab_size=1024", "set model.vocab_size=4096"),
+    ],
+)
+def test_bad_paths_end_the_run_with_the_message(offline_data, tmp_path, capsys, override, message):
+    assert train.run(compose_cfg([*tiny_overrides(offline_data, tmp_path, 1), override])) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and re.search(message, error), error

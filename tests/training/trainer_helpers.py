@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # train.py lives at the project root, outside the packages
@@ -45,9 +46,14 @@ def tiny_overrides(offline: Path, run_dir: Path, steps: int, *extra: str) -> lis
     ]
 
 
-def compose_job(overrides: list[str]) -> JobConfig:
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    """The config as Hydra hands it to train.py's main()."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return train.parse_config(compose("train", overrides=overrides))
+        return compose("train", overrides=overrides)
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    return train.parse_config(compose_cfg(overrides))
 
 
 def run_job(overrides: list[str]) -> list[dict]:

@@ -64,7 +64,10 @@ class ConsoleSink:
     """A progress bar over optimizer steps; each record is also printed as one line above it."""
 
     def __init__(self, total_steps: int, start_step: int):
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        # disable=None: no bar when the output is a file (job logs), only the per-record lines.
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, disable=None
+        )
         self.last_step = start_step
 
     def log(self, record: dict) -> None:

@@ -24,26 +24,29 @@ torch.compile'd model keeps the op in its graph (the entry count is an unbacked 
 from __future__ import annotations
 
 import torch
+import triton
 from torch import Tensor
 
 from ._common import check_ffn_args, check_kernel_device
 from .gate import twell_gate
 from .reference import FFNOutput
 from .train_format import build_pattern
-from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
+from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
 
-# How the three weight gradients are produced; selectable so one GPU run can compare them.
-#   "fused3": one pass over each column's entries gathers x and dy rows, writes all three.
-#   "split":  dW_gate and dW_up from one pass over x rows, dW_down from a second pass over dy rows
-#             (fewer live accumulators per program, two launches).
-WGRAD_VARIANTS = ("fused3", "split")
-_settings = {"wgrad": "fused3"}
+# How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
+#   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
+#             rows and writes all three weight gradients.
+#   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
+#   "csc_dh": dh inside the dy column pass (w_down[j] read once per column slice, not once per
+#             entry), then an x pass for dW_gate/dW_up: one gathered row per entry fewer.
+BACKWARD_VARIANTS = ("fused3", "split", "csc_dh")
+_settings = {"backward": "fused3"}
 
 
-def set_wgrad_variant(name: str) -> None:
-    if name not in WGRAD_VARIANTS:
-        raise ValueError(f"wgrad variant {name!r} is unknown; choose one of {WGRAD_VARIANTS}")
-    _settings["wgrad"] = name
+def set_backward_variant(name: str) -> None:
+    if name not in BACKWARD_VARIANTS:
+        raise ValueError(f"backward variant {name!r} is unknown; choose one of {BACKWARD_VARIANTS}")
+    _settings["backward"] = name
 
 
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,24 +105,33 @@ def _ffn_train_bwd(
     l1_scale = grad_l1.float() / M  # d(sum|h| / M)/dh = sign(h) / M, times the upstream gradient
     gate32 = gate.float()
     h = gate32 * up
-    dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
-    d_gate, d_up = dh * up, dh * gate32
-
-    dx = torch.empty_like(x)
-    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2)
-
+    variant = _settings["backward"]
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     order = torch.argsort(cols, stable=True)
     col_ptr = torch.zeros(F + 1, device=x.device, dtype=torch.int32)
     torch.cumsum(torch.bincount(cols, minlength=F), dim=0, dtype=torch.int32, out=col_ptr[1:])
     rows_by_col = rows[order]
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    coefs = (d_gate[order], d_up[order], h[order])
-    if _settings["wgrad"] == "fused3":
-        segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
+    if variant == "csc_dh":
+        h_c, up_c, gate_c = h[order], up[order], gate32[order]
+        dots = torch.zeros((triton.cdiv(x.shape[1], 128), rows.numel()), device=x.device, dtype=torch.float32)
+        segment_axpy(col_ptr, rows_by_col, (h_c,), (dy, w_down), (dw_down,), ONE_DOT, dots=dots)
+        dh_c = dots.sum(dim=0) + l1_scale * torch.sign(h_c)
+        d_gate_c, d_up_c = dh_c * up_c, dh_c * gate_c
+        segment_axpy(col_ptr, rows_by_col, (d_gate_c, d_up_c), (x,), (dw_gate, dw_up), SPLIT2)
+        d_gate = torch.empty_like(d_gate_c).index_copy_(0, order, d_gate_c)  # back to row order for dx
+        d_up = torch.empty_like(d_up_c).index_copy_(0, order, d_up_c)
     else:
-        segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
-        segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
+        dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
+        d_gate, d_up = dh * up, dh * gate32
+        coefs = (d_gate[order], d_up[order], h[order])
+        if variant == "fused3":
+            segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
+        else:
+            segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
+            segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
+    dx = torch.empty_like(x)
+    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2)
 
     if overflow_rows.numel():
         x_o, dy_o = x[overflow_rows], dy[overflow_rows]

@@ -26,6 +26,7 @@ ONE = 0  # out0 = sum c0 * src0[g]
 SUM2 = 1  # out0 = sum c0 * src0[g] + c1 * src1[g]         (dx: two weight matrices, one output)
 SPLIT2 = 2  # out0 = sum c0 * src0[g], out1 = sum c1 * src0[g]  (dW_gate, dW_up share the x rows)
 SPLIT3 = 3  # SPLIT2 plus out2 = sum c2 * src1[g]             (all three weight gradients at once)
+ONE_DOT = 4  # ONE plus, per entry, src0[g] . src1[segment]  (dW_down and dh in one pass over dy rows)
 
 
 def _configs(shapes: tuple[tuple[int, int, int], ...]):
@@ -84,7 +85,7 @@ def sampled_dot(rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor, b: torc
 @triton.jit
 def _segment_step(
     e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, offs_d, mask_d,
-    stride_s0, stride_s1, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+    stride_s0, stride_s1, seg_row, dots_ptr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Entries e0 .. e0 + BLOCK_E of one segment: gather their source rows, scale, accumulate."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
@@ -99,13 +100,15 @@ def _segment_step(
         c1 = tl.load(c1_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         t1 = tl.load(s1_ptr + g[:, None] * stride_s1 + offs_d[None, :], mask=mask, other=0.0)
         acc0 += c1[:, None] * t1.to(tl.float32)
-    if MODE >= 2:
+    if MODE == 2 or MODE == 3:
         c1 = tl.load(c1_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         acc1 += c1[:, None] * t0
     if MODE == 3:
         c2 = tl.load(c2_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         t2 = tl.load(s1_ptr + g[:, None] * stride_s1 + offs_d[None, :], mask=mask, other=0.0)
         acc2 += c2[:, None] * t2.to(tl.float32)
+    if MODE == 4:  # this D slice's share of each entry's dot with the segment's own row
+        tl.store(dots_ptr + offs_e, tl.sum(t0 * seg_row[None, :], axis=1), mask=mask_e)
     return acc0, acc1, acc2
 
 
@@ -120,7 +123,7 @@ def _store_sum(acc, out_ptr, part_ptr, out_offs, part_offs, direct, partial):
 @triton.jit
 def _segment_axpy_kernel(
     seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-    o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, n_seg, stride_s0, stride_s1, stride_o,
+    o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, dots_ptr, n_seg, nnz, stride_s0, stride_s1, stride_o,
     D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -141,27 +144,34 @@ def _segment_axpy_kernel(
     acc0 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+    if MODE == 4:
+        seg_row = tl.load(s1_ptr + seg.to(tl.int64) * stride_s1 + offs_d, mask=mask_d, other=0.0).to(
+            tl.float32
+        )
+    else:
+        seg_row = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dots_ptr += tl.program_id(1).to(tl.int64) * nnz  # one row of partial dots per D slice
     if WHILE_LOOP:
         # The interpreter (with numpy >= 2) cannot run range() over loaded bounds; a while loop works.
         e0 = start
         while e0 < end:
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
+                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, MODE, BLOCK_E,
             )  # fmt: skip
             e0 += BLOCK_E
     else:
         for e0 in range(start, end, BLOCK_E):
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
+                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, MODE, BLOCK_E,
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
     part_offs = (tl.load(part_ptr_ptr + seg) + chunk).to(tl.int64) * stride_o + offs_d
     direct = mask_d & valid & (n_items == 1)
     partial = mask_d & valid & (n_items > 1)
     _store_sum(tl.sum(acc0, axis=0), o0_ptr, p0_ptr, out_offs, part_offs, direct, partial)
-    if MODE >= 2:
+    if MODE == 2 or MODE == 3:
         _store_sum(tl.sum(acc1, axis=0), o1_ptr, p1_ptr, out_offs, part_offs, direct, partial)
     if MODE == 3:
         _store_sum(tl.sum(acc2, axis=0), o2_ptr, p2_ptr, out_offs, part_offs, direct, partial)
@@ -209,11 +219,14 @@ def segment_axpy(
     outs: tuple[torch.Tensor, ...],
     mode: int,
     chunk: int = 512,
+    dots: torch.Tensor | None = None,
 ) -> None:
     """Fill `outs` ([n_seg, D] each, fully written) with segment sums of gathered source rows.
 
     seg_ptr int32 [n_seg + 1] (segment s = entries seg_ptr[s]:seg_ptr[s+1]); gidx [nnz] the source
     row of each entry; coefs fp32 [nnz] each. The number of coefs/sources/outs follows `mode`.
+    ONE_DOT also writes dots[k, e] = src0[gidx[e], slice k] . src1[segment of e, slice k] for each
+    D slice k (fp32 [>= D / 128, nnz], zero-filled: slices past the tuned BLOCK_D grid stay 0).
     Segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
     second kernel adds up in order: no atomics, bit-identical results run to run, no host sync
     (the grid and the partial buffer are sized by bounds known from nnz).
@@ -244,7 +257,8 @@ def segment_axpy(
     grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
     _segment_axpy_kernel[grid](
         seg_ptr, item_seg.to(torch.int32), item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
-        o[0], o[1], o[2], p[0], p[1], p[2], n_seg, s[0].stride(0), s[1].stride(0), o[0].stride(0),
+        o[0], o[1], o[2], p[0], p[1], p[2], parts if dots is None else dots, n_seg, nnz,
+        s[0].stride(0), s[1].stride(0), o[0].stride(0),
         D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
     )  # fmt: skip
     if max_parts:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import WGRAD_VARIANTS, set_wgrad_variant, twell_ffn  # noqa: E402
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -115,12 +115,12 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
     impls = [("dense_eager", dense_ffn_l1, None)]
     if compiled is not None:
         impls.append(("dense_compiled", compiled, None))
-    impls += [(f"twell_{v}", _twell_y_l1, v) for v in getattr(args, "variants", None) or WGRAD_VARIANTS]
+    impls += [(f"twell_{v}", _twell_y_l1, v) for v in getattr(args, "variants", None) or BACKWARD_VARIANTS]
 
     rows = []
     for name, fn, variant in impls:
         if variant:
-            set_wgrad_variant(variant)
+            set_backward_variant(variant)
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -144,7 +144,7 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
                 max_active=int(out.row_active.max()),
             )
         rows.append(row)
-    set_wgrad_variant(WGRAD_VARIANTS[0])
+    set_backward_variant(BACKWARD_VARIANTS[0])
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, nargs="*", default=list(TRAIN_TOKENS))
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192])
     p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--variants", nargs="*", choices=WGRAD_VARIANTS, default=list(WGRAD_VARIANTS))
+    p.add_argument("--variants", nargs="*", choices=BACKWARD_VARIANTS, default=list(BACKWARD_VARIANTS))
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")

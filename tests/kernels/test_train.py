@@ -18,8 +18,8 @@ from kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from kernels.train import WGRAD_VARIANTS, set_wgrad_variant, twell_ffn
-from kernels.train_sparse import ONE, SPLIT3, SUM2, sampled_dot, segment_axpy
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
+from kernels.train_sparse import ONE, ONE_DOT, SPLIT3, SUM2, sampled_dot, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -143,16 +143,17 @@ def test_l1_gradient_alone_and_y_alone():
         assert _rel_err(a.grad, b.grad) < 1e-5
 
 
-@pytest.mark.parametrize("variant", WGRAD_VARIANTS)
-def test_wgrad_variants_agree_and_are_deterministic(variant):
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
+def test_backward_variants_agree_and_are_deterministic(variant):
     inputs = _inputs(31, 64, 256, torch.float32)
+    make_rows_dense(inputs[0], [4])  # an overflow row too
     grad_y = torch.randn(31, 64, device=DEVICE)
     try:
-        set_wgrad_variant(variant)
+        set_backward_variant(variant)
         first = _run(twell_ffn, inputs, grad_y, 0.7)
         second = _run(twell_ffn, inputs, grad_y, 0.7)
     finally:
-        set_wgrad_variant("fused3")
+        set_backward_variant("fused3")
     assert torch.equal(first[0].y, second[0].y)
     for a, b in zip(first[1], second[1]):
         assert torch.equal(a, b)  # no atomics: bit-identical re-runs (activation checkpointing relies on it)
@@ -236,7 +237,7 @@ def test_custom_ops_pass_opcheck():
     )
 
 
-@pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3])
+@pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3, ONE_DOT])
 def test_segment_sums_split_long_segments_exactly(mode):
     # Segments of 0 .. 40 entries with chunk 8: empty, single-chunk and many-chunk segments (a hot unit).
     n_seg, n_src, D = 11, 13, 64
@@ -247,31 +248,35 @@ def test_segment_sums_split_long_segments_exactly(mode):
     nnz = int(seg_ptr[-1])
     gidx = torch.randint(0, n_src, (nnz,), dtype=torch.int32)
     coefs = tuple(torch.randn(nnz) for _ in range(3))
-    sources = (torch.randn(n_src, D), torch.randn(n_src, D))
+    sources = (torch.randn(n_src, D), torch.randn(max(n_src, n_seg), D))
     owner = torch.repeat_interleave(torch.arange(n_seg), lengths)
 
     def seg_sum(coef, src):
-        return torch.zeros(n_seg, D, dtype=torch.float64).index_add_(
-            0, owner, coef.double()[:, None] * src.double()[gidx.long()]
-        )
+        gathered = coef.double()[:, None] * src.double()[gidx.long()]
+        return torch.zeros(n_seg, D, dtype=torch.float64).index_add_(0, owner, gathered)
 
     if mode == ONE:
         expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources[:1])
     elif mode == SUM2:
         expected, used = [seg_sum(coefs[0], sources[0]) + seg_sum(coefs[1], sources[1])], (coefs[:2], sources)
-    else:
+    elif mode == SPLIT3:
         expected = [
             seg_sum(coefs[0], sources[0]),
             seg_sum(coefs[1], sources[0]),
             seg_sum(coefs[2], sources[1]),
         ]
         used = (coefs, sources)
-    outs = tuple(
-        torch.full((n_seg, D), float("nan")) for _ in expected
-    )  # poisoned: every row must be written
-    segment_axpy(seg_ptr, gidx, *used, outs, mode, chunk=8)
+    else:  # ONE_DOT: also each entry's dot with its segment's own row of sources[1]
+        expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources)
+    outs = tuple(torch.full((n_seg, D), float("nan"), device=DEVICE) for _ in expected)  # poisoned
+    on_device = [tuple(t.to(DEVICE) for t in group) for group in used]
+    dots = torch.zeros(D // 64, nnz, device=DEVICE)
+    segment_axpy(seg_ptr.to(DEVICE), gidx.to(DEVICE), *on_device, outs, mode, chunk=8, dots=dots)
     for out, ref in zip(outs, expected):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    if mode == ONE_DOT:
+        ref_dots = (sources[0].double()[gidx.long()] * sources[1].double()[owner]).sum(1)
+        torch.testing.assert_close(dots.sum(0).cpu().double(), ref_dots, rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_dot_matches_gathered_rows():
@@ -300,9 +305,9 @@ def test_bad_inputs_raise_a_clear_error(change, message):
         twell_ffn(*change(inputs))
 
 
-def test_unknown_wgrad_variant_is_rejected():
-    with pytest.raises(ValueError, match="wgrad variant 'nope' is unknown"):
-        set_wgrad_variant("nope")
+def test_unknown_backward_variant_is_rejected():
+    with pytest.raises(ValueError, match="backward variant 'nope' is unknown"):
+        set_backward_variant("nope")
 
 
 @pytest.mark.gpu

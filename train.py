@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import sys
+from pathlib import Path
 
 import hydra
 import numpy as np
@@ -78,6 +79,18 @@ def build_trainer(job: JobConfig) -> Trainer:
     return Trainer(job, model, stream, info, val_batches)
 
 
+def save_run_config(cfg: DictConfig, trainer: Trainer) -> None:
+    """The resolved job config beside the checkpoints (rank 0): evaluation, activity reports and HF
+    export read the model shape and tokenizer from it."""
+    if trainer.info.rank != 0:
+        return
+    run_dir = Path(trainer.job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    tmp.replace(run_dir / "config.yaml")
+
+
 def run(cfg: DictConfig) -> int:
     """Build and train; returns the exit status. Bad input (config values, data paths, tokenizer,
     checkpoints) ends the run with its message alone: the fix is in the message, a traceback would
@@ -87,6 +100,7 @@ def run(cfg: DictConfig) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    save_run_config(cfg, trainer)
     try:
         trainer.fit()
     except CheckpointError as err:

@@ -37,12 +37,28 @@ stage_baselines() {
   done
 }
 
+# Issue 5's fidelity run: dense and L1 2e-5 (+ dead-unit re-init) on the same tokens, one GPU each
+# (FIDELITY_SECOND_GPU=0 shares one), then the sparse model's activity and the TwELL kernels timed on
+# its real FFN inputs. Big files (checkpoints, dumps) stay in $RUNS; summaries go to $OUT.
 stage_fidelity() {
   [ -d offline/corpus ] || { echo "offline/corpus missing: run scripts/build_corpus.py and carry it"; return 1; }
-  CUDA_VISIBLE_DEVICES=0 python3 train.py experiment=fidelity sparsity=dense run_name=fid_dense run_dir="$OUT/fid_dense" > "$OUT/fid_dense.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=${FIDELITY_SECOND_GPU:-1} python3 train.py experiment=fidelity sparsity=paper run_name=fid_sparse run_dir="$OUT/fid_sparse" > "$OUT/fid_sparse.log" 2>&1 &
+  RUNS=${RUNS:-/tmp/twell_runs}; mkdir -p "$RUNS"
+  CUDA_VISIBLE_DEVICES=0 python3 train.py experiment=fidelity sparsity=dense run_name=fid_dense \
+    run_dir="$RUNS/fid_dense" ${FIDELITY_ARGS:-} > "$RUNS/fid_dense.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${FIDELITY_SECOND_GPU:-1} python3 train.py experiment=fidelity sparsity=paper \
+    run_name=fid_sparse run_dir="$RUNS/fid_sparse" ${FIDELITY_ARGS:-} > "$RUNS/fid_sparse.log" 2>&1 &
   wait
-  tail -4 "$OUT/fid_dense.log" "$OUT/fid_sparse.log"
+  for run in fid_dense fid_sparse; do
+    tr '\r' '\n' < "$RUNS/$run.log" | grep -E "^(training|step [0-9]+:)" | awk 'NR==1 || /step [0-9]*00:/' | tail -12
+    cp "$RUNS/$run/metrics.jsonl" "$OUT/${run}_metrics.jsonl"
+    python3 scripts/plot_activity.py "$RUNS/$run" --out "$OUT/${run}_activity.png"
+  done
+  python3 scripts/activity.py checkpoint="$RUNS/fid_sparse/checkpoints" --val-rows 64 --data corpus \
+    --out "$RUNS/fid_sparse_text" --dump-ffn-inputs "$RUNS/fid_sparse_ffn.pt" --layers all 2>&1 | tail -30
+  cp "$RUNS/fid_sparse_text.png" "$OUT/fid_sparse_text_activity.png"; cp "$RUNS/fid_sparse_text.json" "$OUT/"
+  for layer in 00 05 11; do
+    python3 scripts/bench_ffn.py --activations "$RUNS/fid_sparse_ffn.layer$layer.pt" --no-compile 2>&1 | tail -4
+  done | tee "$OUT/bench_real_activations.txt"
 }
 
 for stage in "${@:-kernels}"; do

@@ -32,9 +32,13 @@ from ._common import (
 )
 
 # What the epilogue writes; only TWELL is API, the others exist to time the mainloop in isolation.
-EPI_TWELL, EPI_DENSE, EPI_COUNTS = 0, 1, 2
-EPILOGUES = {"twell": EPI_TWELL, "dense": EPI_DENSE, "counts": EPI_COUNTS}
-_variant = {"loads": None, "persistent": None}  # None: the default for the device (see _gate_variant)
+# twell_old: the first epilogue (one cumsum over the whole tile, int64 entry offsets), kept for the bench.
+EPI_TWELL, EPI_DENSE, EPI_COUNTS, EPI_TWELL_OLD = 0, 1, 2, 3
+EPILOGUES = {"twell": EPI_TWELL, "dense": EPI_DENSE, "counts": EPI_COUNTS, "twell_old": EPI_TWELL_OLD}
+# None: the default for the device (see _gate_variant / launch_gate). sub_n: columns per mainloop +
+# compaction step inside a format tile; path: "fused" (compaction in the GEMM epilogue) or "two_kernel".
+_variant = {"loads": None, "persistent": None, "sub_n": None, "path": None}
+DEFAULT_SUB_N = 128  # 128x256 fp32 accumulators + the scan spilled (bench: 20.6 ms vs 4.4 ms dense)
 
 
 class TwELLGate(NamedTuple):
@@ -108,6 +112,25 @@ def _gate_tile_tma(
 
 
 @triton.jit
+def _compact_chunk(
+    pre, rows, cols, tile, before, M, F, T, cols_ptr, vals_ptr, SLOTS: tl.constexpr, OFF32: tl.constexpr
+):
+    """Store the positives of a [R, C] chunk of format tile `tile` at slots before + rank (before: [R]
+    positives of the tile's earlier chunks); returns the chunk's [R] positive counts."""
+    active = (pre > 0) & (cols[None, :] < F)
+    act_i = active.to(tl.int32)
+    slot = tl.cumsum(act_i, axis=1) + (before - 1)[:, None]  # rank among the tile's positives
+    keep = active & (slot < SLOTS) & (rows < M)[:, None]
+    if OFF32:  # M * T * SLOTS < 2^31: one 32-bit offset per element instead of int64 math
+        entry = ((rows * T + tile) * SLOTS)[:, None] + slot
+    else:
+        entry = ((rows.to(tl.int64) * T + tile) * SLOTS)[:, None] + slot
+    tl.store(cols_ptr + entry, cols[None, :].to(cols_ptr.dtype.element_ty), mask=keep)
+    tl.store(vals_ptr + entry, pre.to(vals_ptr.dtype.element_ty), mask=keep)
+    return tl.sum(act_i, axis=1)
+
+
+@triton.jit
 def _twell_epilogue(
     pre,
     rows,
@@ -123,6 +146,7 @@ def _twell_epilogue(
     SLOTS: tl.constexpr,
     EPILOGUE: tl.constexpr,
 ):
+    """The old single-shot epilogue (EPILOGUE 1/2/3: dense, counts, twell_old)."""
     row_ok = rows < M
     if EPILOGUE == 1:  # dense relu store: the cost of a plain GEMM's epilogue, for comparison
         off = rows[:, None].to(tl.int64) * F + cols[None, :]
@@ -136,7 +160,7 @@ def _twell_epilogue(
         act_i = active.to(tl.int32)
         count = tl.sum(act_i, axis=1)
         tl.store(counts_ptr + rows.to(tl.int64) * T + tile, count, mask=row_ok)
-        if EPILOGUE == 0:
+        if EPILOGUE == 3:
             slot = tl.cumsum(act_i, axis=1) - 1  # position of each positive among its row's positives
             keep = active & (slot < SLOTS) & row_ok[:, None]
             row_base = (rows.to(tl.int64) * T + tile) * SLOTS
@@ -161,36 +185,39 @@ def _twell_gate_kernel(
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
     PERSISTENT: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    OFF32: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # x_src / w_src are tensor descriptors when TMA, else pointers. M_BUCKET only keys autotuning.
+    # BLOCK_N is the format tile; the program walks it in BLOCK_N // SUB_N mainloop + compaction steps.
     n_tiles = tl.cdiv(M, BLOCK_M) * T
     if PERSISTENT:  # GPU only: the interpreter cannot loop from a program id
         for tile_id in range(tl.program_id(0), n_tiles, NUM_PROGS):
             _gate_one_tile(
                 tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, DOT_FP32, PRECISION,
+                BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
             )  # fmt: skip
     else:
         _gate_one_tile(
             tl.program_id(0), x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, DOT_FP32, PRECISION,
+            BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
         )  # fmt: skip
 
 
 @triton.jit
 def _gate_one_tile(
     tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D: tl.constexpr,
-    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr, EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, EPILOGUE: tl.constexpr,
+    OFF32: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Grouped order: GROUP_M row blocks sweep all column tiles together, so the x rows of the group
     # and the weight tiles both stay in L2.
@@ -202,32 +229,70 @@ def _gate_one_tile(
     pid_m = first_m + (tile_id % per_group) % group_size
     tile = (tile_id % per_group) // group_size
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TMA:
-        pre = _gate_tile_tma(
-            x_src, w_src, pid_m * BLOCK_M, tile * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
-        )
+    if EPILOGUE == 0:
+        # Compaction in SUB_N-column steps: a [BLOCK_M, SUB_N] accumulator leaves registers for the
+        # scan and the scattered stores (a whole 128x256 fp32 tile plus the scan spilled); the x tile
+        # is re-read from L2 per step. `done` carries each row's positives of the earlier steps.
+        done = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        for j in tl.static_range(BLOCK_N // SUB_N):
+            off_n = tile * BLOCK_N + j * SUB_N
+            cols = off_n + tl.arange(0, SUB_N)
+            if TMA:
+                pre = _gate_tile_tma(
+                    x_src, w_src, pid_m * BLOCK_M, off_n, D, BLOCK_M, SUB_N, BLOCK_K, DOT_FP32, PRECISION
+                )
+            else:
+                pre = gate_tile_preact(
+                    x_src, w_src, rows, cols, M, F, D, BLOCK_M, SUB_N, BLOCK_K, DOT_FP32, PRECISION
+                )
+            done += _compact_chunk(pre, rows, cols, tile, done, M, F, T, cols_ptr, vals_ptr, SLOTS, OFF32)
+        tl.store(counts_ptr + rows.to(tl.int64) * T + tile, done, mask=rows < M)
     else:
-        pre = gate_tile_preact(
-            x_src, w_src, rows, cols, M, F, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TMA:
+            pre = _gate_tile_tma(
+                x_src, w_src, pid_m * BLOCK_M, tile * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32,
+                PRECISION,
+            )  # fmt: skip
+        else:
+            pre = gate_tile_preact(
+                x_src, w_src, rows, cols, M, F, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
+            )
+        _twell_epilogue(
+            pre, rows, cols, tile, M, F, T, counts_ptr, cols_ptr, vals_ptr, dense_ptr, SLOTS, EPILOGUE
         )
-    _twell_epilogue(
-        pre, rows, cols, tile, M, F, T, counts_ptr, cols_ptr, vals_ptr, dense_ptr, SLOTS, EPILOGUE
-    )
+
+
+@triton.jit
+def _compact_dense_kernel(
+    h_ptr, counts_ptr, cols_ptr, vals_ptr, M, F, T,
+    SLOTS: tl.constexpr, TILE_N: tl.constexpr, ROWS: tl.constexpr, OFF32: tl.constexpr,
+):  # fmt: skip
+    """Second kernel of the two-kernel path: TwELL tiles from a dense relu(x w^T) [M, F] (one program
+    per ROWS rows x one format tile; a pure streaming read of h)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
+    cols = tile * TILE_N + tl.arange(0, TILE_N)
+    ok = (rows < M)[:, None] & (cols < F)[None, :]
+    h = tl.load(h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], mask=ok, other=0.0)
+    none = tl.zeros((ROWS,), dtype=tl.int32)
+    count = _compact_chunk(h, rows, cols, tile, none, M, F, T, cols_ptr, vals_ptr, SLOTS, OFF32)
+    tl.store(counts_ptr + rows.to(tl.int64) * T + tile, count, mask=rows < M)
 
 
 def _set_desc_blocks(nargs):
     """Autotune pre-hook: TMA descriptors carry the block shape, which depends on the config."""
     if nargs["TMA"]:
         nargs["x_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["w_src"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+        width = nargs["SUB_N"] if nargs["EPILOGUE"] == EPI_TWELL else nargs["BLOCK_N"]
+        nargs["w_src"].block_shape = [width, nargs["BLOCK_K"]]
 
 
 def _configs(regime: str) -> list[triton.Config]:
     # Few configs: each GPU run is short. Hopper wants 128-row tiles and 8 warps for the big GEMM;
     # decode (M <= 64) is a GEMV that lives off bytes in flight: deep pipelines of wide K steps.
     table = {
-        "large": [(128, 64, 8, 3), (128, 64, 8, 4)],
+        "large": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)],
         "mid": [(128, 64, 8, 3), (64, 64, 4, 4)],
         "small": [(64, 64, 4, 4), (64, 128, 4, 3)],
         "decode": [(None, 128, 4, 4), (None, 128, 8, 4), (None, 128, 4, 6)],
@@ -250,7 +315,7 @@ def _tuned_kernel(regime: str):
     if regime not in _TUNED:
         _TUNED[regime] = triton.autotune(
             configs=_configs(regime),
-            key=["M_BUCKET", "F", "D", "BLOCK_N", "SLOTS", "TMA", "PERSISTENT", "EPILOGUE"],
+            key=["M_BUCKET", "F", "D", "BLOCK_N", "SUB_N", "SLOTS", "TMA", "PERSISTENT", "EPILOGUE"],
         )(_twell_gate_kernel)
     return _TUNED[regime]
 
@@ -278,11 +343,22 @@ def default_slots(tile_n: int) -> int:
     return max(8, tile_n // 8)
 
 
-def set_gate_variant(loads: str | None = None, persistent: bool | None = None) -> None:
-    """Benchmark switch: loads "tma" | "ptr" | None (device default), persistent grid or not."""
+def set_gate_variant(
+    loads: str | None = None,
+    persistent: bool | None = None,
+    sub_n: int | None = None,
+    path: str | None = None,
+) -> None:
+    """Benchmark switch: loads "tma" | "ptr" | None (device default), persistent grid or not, sub_n
+    (columns per compaction step inside a format tile: 16-256, None: DEFAULT_SUB_N), path "fused" |
+    "two_kernel" | None (fused)."""
     if loads not in (None, "tma", "ptr"):
         raise ValueError(f"loads={loads!r} must be 'tma', 'ptr' or None")
-    _variant["loads"], _variant["persistent"] = loads, persistent
+    if sub_n not in (None, 16, 32, 64, 128, 256):
+        raise ValueError(f"sub_n={sub_n!r} must be 16, 32, 64, 128, 256 or None")
+    if path not in (None, "fused", "two_kernel"):
+        raise ValueError(f"path={path!r} must be 'fused', 'two_kernel' or None")
+    _variant.update(loads=loads, persistent=persistent, sub_n=sub_n, path=path)
 
 
 def _gate_variant(x: torch.Tensor) -> tuple[bool, bool]:
@@ -309,13 +385,39 @@ def launch_gate(
     epilogue: str = "twell",
     dense: torch.Tensor | None = None,
 ) -> None:
-    """Launch the gate kernel into given buffers (no checks: twell_gate and the benchmarks call this)."""
+    """Launch the gate kernel into given buffers (no checks: twell_gate and the benchmarks call this).
+    epilogue "twell" takes the path of set_gate_variant: fused, or two_kernel (dense relu into a
+    temporary [M, F] buffer, freed on return, then _compact_dense_kernel)."""
+    M = x.shape[0]
+    F = w_gate.shape[0]
+    if epilogue == "twell" and _variant["path"] == "two_kernel" and M > 64:
+        h = torch.empty((M, F), dtype=x.dtype, device=x.device)
+        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
+        rows = 16
+        grid = (cdiv(M, rows), cdiv(F, tile_n))
+        _compact_dense_kernel[grid](
+            h, counts, cols, vals, M, F, cdiv(F, tile_n), SLOTS=slots, TILE_N=tile_n, ROWS=rows,
+            OFF32=_off32(M, F, tile_n, slots), num_warps=4,
+        )  # fmt: skip
+        del h  # back to the caching allocator at once: the dense pass is transient
+        return
+    _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense)
+
+
+def _off32(M: int, F: int, tile_n: int, slots: int) -> bool:
+    return (M + 256) * cdiv(F, tile_n) * slots < 2**31
+
+
+def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
     F = w_gate.shape[0]
     T = cdiv(F, tile_n)
     tma, persistent = _gate_variant(x)
+    sub_n = min(tile_n, _variant["sub_n"] or DEFAULT_SUB_N)
+    if interpreting():
+        sub_n = min(tile_n, _variant["sub_n"] or 32)  # CPU tests walk >= 2 steps per tile
     # TMA needs 16-byte aligned bases (a contiguous view may start mid-allocation): else plain loads.
     tma = tma and x.data_ptr() % 16 == 0 and w_gate.data_ptr() % 16 == 0
     if interpreting():
@@ -328,7 +430,8 @@ def launch_gate(
         fixed["BLOCK_M"] = block_m = max(16, next_pow2(M)) if not interpreting() else block_m
     if tma:
         x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
-        w_src = TensorDescriptor.from_tensor(w_gate, [tile_n, block_k])
+        w_width = sub_n if epilogue == "twell" else tile_n
+        w_src = TensorDescriptor.from_tensor(w_gate, [w_width, block_k])
     else:
         x_src, w_src = x, w_gate
     num_progs = 1
@@ -339,11 +442,13 @@ def launch_gate(
         D=D,
         SLOTS=slots,
         BLOCK_N=tile_n,
+        SUB_N=sub_n,
         GROUP_M=8,
         TMA=tma,
         PERSISTENT=persistent,
         NUM_PROGS=num_progs,
         EPILOGUE=EPILOGUES[epilogue],
+        OFF32=_off32(M, F, tile_n, slots),
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
     )

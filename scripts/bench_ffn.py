@@ -5,8 +5,8 @@
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
     python scripts/bench_ffn.py --mode train                     # training kernels (scripts/bench_train.py)
 
-The gate is timed per grid variant (a program per tile / persistent) and the faster one is used for the
-FFN; 'sparse' = FFN - gate (row schedule), with TF/s of useful work (4 D per active pair) and the GB/s
+The gate is timed per variant (a program per tile / persistent / two-kernel) and the fastest is used for
+the FFN; 'sparse' = FFN - gate (row schedule), with TF/s of useful work (4 D per active pair) and the GB/s
 the weight rows would need if no two tokens shared one (2 rows of D per active pair).
 Every measured configuration is also checked row by row against a float32 reference (max relative
 error per row < 1e-2). Small batches run under CUDA graphs (launch overhead would dominate otherwise).
@@ -66,14 +66,17 @@ def gate_call(x, w_gate):
 
 
 def pick_gate_variant(x, w_gate, graph, rep) -> tuple[str, dict]:
-    """Time the gate's grid variants (one program per tile / persistent) and keep the faster one."""
+    """Time the gate's variants (one program per tile / persistent grid / dense pass + compaction
+    kernel) and keep the fastest."""
     times = {}
-    options = {"tiles": False} if x.shape[0] <= DECODE_MAX_TOKENS else {"tiles": False, "persistent": True}
-    for name, persistent in options.items():
-        set_gate_variant(persistent=persistent)
+    options = {"tiles": {}}
+    if x.shape[0] > DECODE_MAX_TOKENS:
+        options.update(persistent={"persistent": True}, two_kernel={"path": "two_kernel"})
+    for name, variant in options.items():
+        set_gate_variant(**variant)
         times[name] = timed(lambda: gate_call(x, w_gate), graph, rep)
     best = min(times, key=times.get)
-    set_gate_variant(persistent=options[best])
+    set_gate_variant(**options[best])
     return best, times
 
 

@@ -4,7 +4,10 @@
 
 Per token count, times cuBLAS (x @ w_gate.T, and with relu) against our gate kernel per variant:
 loads (tma | ptr) x grid (tiles | persistent) x epilogue (counts: mainloop + a per-row count only;
-dense: relu stored dense like a plain GEMM; twell: the real compaction). TF/s counts 2 M D F.
+dense: relu stored dense like a plain GEMM; twell_old: the first compaction epilogue, one scan over the
+whole 128x256 tile; twell sN: the compaction in N-column mainloop + scan steps per format tile;
+two_kernel: dense relu pass + a compaction kernel). TF/s counts 2 M D F.
+Default shapes 131072 and 16384 (about 1.5 min on an H200); add --tokens 64 1 for the decode GEMV.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from kernels.gate import (  # noqa: E402
 )
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
-VARIANTS = [  # (loads, persistent, epilogue)
-    ("tma", False, "counts"),
-    ("tma", False, "dense"),
-    ("tma", False, "twell"),
-    ("tma", True, "counts"),
-    ("tma", True, "twell"),
-    ("ptr", False, "counts"),
-    ("ptr", False, "twell"),
+VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default)
+    ("tma", False, "counts", None, None, None),
+    ("tma", False, "dense", None, None, None),
+    ("tma", False, "twell_old", None, None, None),
+    ("tma", False, "twell", 256, "fused", None),
+    ("tma", False, "twell", 128, "fused", None),
+    ("tma", False, "twell", 64, "fused", None),
+    ("tma", True, "twell", 128, "fused", None),
+    ("tma", False, "twell", None, "two_kernel", None),
+    ("tma", False, "twell", 128, "fused", 128),
 ]
 
 
@@ -59,37 +64,50 @@ def bench_shape(M, D, F, rep, variants):
         "cublas relu(x@w.T)",
         triton.testing.do_bench(lambda: torch.relu(x @ wg.T), rep=rep, return_mode="median"),
     )
-    tile_n = default_tile_n(M, F)
-    slots = tile_n if M <= 64 else default_slots(tile_n)
-    T = -(-F // tile_n)
-    counts = torch.empty((M, T), dtype=torch.int32, device="cuda")
-    cols = torch.empty((M, T, slots), dtype=torch.int16, device="cuda")
-    vals = torch.empty((M, T, slots), dtype=x.dtype, device="cuda")
-    dense = torch.empty((M, F), dtype=x.dtype, device="cuda")
-    for loads, persistent, epi in variants:
-        if M <= 64 and (persistent or epi != "twell"):
+    buffers = {}
+    for loads, persistent, epi, sub_n, path, tn in variants:
+        tile_n = tn or default_tile_n(M, F)
+        if M <= 64 and (persistent or epi != "twell" or tn):
             continue
-        set_gate_variant(loads=loads, persistent=persistent)
-        fn = lambda e=epi: launch_gate(x, wg, counts, cols, vals, tile_n, slots, epilogue=e, dense=dense)
+        if tile_n not in buffers:
+            buffers.clear()
+            torch.cuda.empty_cache()
+            slots = tile_n if M <= 64 else default_slots(tile_n)
+            T = -(-F // tile_n)
+            buffers[tile_n] = (
+                torch.empty((M, T), dtype=torch.int32, device="cuda"),
+                torch.empty((M, T, slots), dtype=torch.int16, device="cuda"),
+                torch.empty((M, T, slots), dtype=x.dtype, device="cuda"),
+                slots,
+            )
+        slots = buffers[tile_n][3]
+        dense = torch.empty((M, F), dtype=x.dtype, device="cuda") if epi == "dense" else None
+        set_gate_variant(loads=loads, persistent=persistent, sub_n=sub_n, path=path)
+        fn = lambda e=epi, d=dense, t=tile_n, b=buffers[tile_n]: launch_gate(  # noqa: E731
+            x, wg, b[0], b[1], b[2], t, b[3], epilogue=e, dense=d
+        )
+        name = f"{loads}{'+pers' if persistent else ''} {epi if path != 'two_kernel' else 'two_kernel'}"
+        name += f" n{tile_n}" + (f" s{min(sub_n, tile_n)}" if epi == "twell" and path == "fused" else "")
         try:
             fn()
             ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
         except Exception as e:  # a variant that does not compile here is a result, not a crash
-            print(f"{M:>7} {F:>5} {loads}/{persistent}/{epi}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            print(f"{M:>7} {F:>5} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
+        finally:
+            del dense
         best = _TUNED[_regime(M)].best_config
-        name = f"{loads}{'+pers' if persistent else ''} {epi} n{tile_n}"
-        row(name, ms, config=str(best))
+        row(name, ms, config=str(best), sub_n=sub_n, path=path, tile_n=tile_n, slots=slots)
     set_gate_variant()
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="*", default=[131072, 16384, 64, 1])
+    p.add_argument("--tokens", type=int, nargs="*", default=[131072, 16384])
     p.add_argument("--d-ff", type=int, default=5632)
     p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--rep", type=int, default=60, help="ms of timing per measurement")
+    p.add_argument("--rep", type=int, default=40, help="ms of timing per measurement")
     p.add_argument("--out", default="bench_gate.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

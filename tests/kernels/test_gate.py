@@ -43,7 +43,21 @@ def test_gate_format_is_exact(M, D, F, dtype, loads, poisoned_empty):
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, _, _ = paper_like_ffn_inputs(M, D, F, mean_active=F / 40, dtype=dtype, seed=seed)
     make_rows_dense(x, [M // 2])
-    set_gate_variant(loads=loads)
+    set_gate_variant(loads=loads)  # under the interpreter: 32-column compaction steps in 64-wide tiles
+    try:
+        _check_format(x, wg, twell_gate(x, wg))
+    finally:
+        set_gate_variant()
+
+
+@pytest.mark.parametrize("M,F,dtype", [(67, 320, torch.bfloat16), (65, 192, torch.float32)])
+@pytest.mark.parametrize("path,sub_n", [("fused", 64), ("fused", 16), ("two_kernel", None)])
+def test_gate_paths_give_the_same_format(M, F, dtype, path, sub_n, poisoned_empty):
+    """Every compaction variant (one step per tile, 4 steps, dense pass + compaction kernel) is exact."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, _, _ = paper_like_ffn_inputs(M, 64, F, mean_active=F / 20, dtype=dtype, seed=seed)
+    make_rows_dense(x, [M // 3])
+    set_gate_variant(path=path, sub_n=sub_n)
     try:
         _check_format(x, wg, twell_gate(x, wg))
     finally:

@@ -91,15 +91,31 @@ def _reference(inputs, grad_y) -> dict:
     return ref
 
 
-def _profile(leaves, grad_y, top: int = 25) -> None:
+def _profile(leaves, grad_y, variant: str) -> list[dict]:
+    """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    set_backward_variant(variant)
     _step(_twell_y_l1, leaves, grad_y)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _step(_twell_y_l1, leaves, grad_y)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top))
+    kernels = [
+        {"kernel": e.name, "us": e.time_range.elapsed_us(), "start": e.time_range.start}
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+    kernels.sort(key=lambda k: k["start"])
+    total = sum(k["us"] for k in kernels)
+    print(
+        f"\nTwELL step, backward variant {variant}: {len(kernels)} kernels, {total / 1e3:.3f} ms of GPU time"
+    )
+    for k in kernels:
+        if k["us"] >= 5:  # the dozens of tiny glue kernels are summed in the total
+            print(f"  {k['us']:8.1f} us  {k['kernel'][:90]}")
+    return [{"variant": variant, "kernel": k["kernel"], "us": k["us"]} for k in kernels]
 
 
 def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
@@ -133,7 +149,9 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
         torch.cuda.synchronize()
         row = dict(
             tokens=M, d_model=D, d_ff=F, impl=name, fwd_ms=fwd_ms, fwd_bwd_ms=step_ms,
-            saved_mb=_saved_bytes(fn, leaves) / 2**20,
+            # Saved bytes of the compiled dense path are those of its eager twin (hooks cannot see into
+            # a compiled graph's saved tensors).
+            saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
             peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, **errors,
         )  # fmt: skip
         if variant:
@@ -156,7 +174,9 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
         errs = [k for k in r if k.startswith("err_")]
         r["ok"] = all(r[k] <= max(3 * dense[k], 1e-2) for k in errs)
     if getattr(args, "profile", False) and M == min(args.tokens_used):
-        _profile(leaves, grad_y)
+        for variant in getattr(args, "variants", None) or BACKWARD_VARIANTS:
+            args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant)
+        set_backward_variant(BACKWARD_VARIANTS[0])
     return rows
 
 
@@ -222,7 +242,12 @@ def main(argv=None) -> None:
     print("\nall shapes:")
     print_table(rows)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        blob = {
+            "device": torch.cuda.get_device_name(),
+            "rows": rows,
+            "profiles": getattr(args, "profiles", []),
+        }
+        json.dump(blob, f, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -74,7 +74,8 @@ def _ffn_train_fwd(
         y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
         l1_sum = l1_sum + h_o.float().abs().sum()
         unit_fires += (gate_o > 0).sum(dim=0)
-    n_overflow = torch.tensor(pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
+    # A fill kernel, not a host-to-device copy of a Python int.
+    n_overflow = torch.full((), pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
     return (
         y, l1_sum / M, pat.row_active, unit_fires.to(torch.int32), n_overflow,
         pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows,

@@ -119,12 +119,12 @@ def _store_sum(acc, out_ptr, part_ptr, out_offs, part_offs, direct, partial):
     tl.store(part_ptr + part_offs, acc, mask=partial)
 
 
-@_tuned(_configs(_SHAPES), key=["D", "MODE"])
+@_tuned(_configs(_SHAPES), key=["D", "MODE", "LEN_BUCKET"])
 @triton.jit
 def _segment_axpy_kernel(
     seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
     o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, dots_ptr, n_seg, nnz, stride_s0, stride_s1, stride_o,
-    D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    LEN_BUCKET, D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of rows)
@@ -205,6 +205,12 @@ def _sum_partials_kernel(
     )
 
 
+def _length_bucket(nnz: int, n_seg: int) -> int:
+    """Mean segment length, rounded to a power of two: keys the autotuning so that short row segments
+    (~30 entries) and long column segments (~100-400) get their own tile shapes."""
+    return min(triton.next_power_of_2(max(nnz // max(n_seg, 1), 1)), 1024)
+
+
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(counts.numel() + 1, device=counts.device, dtype=torch.int32)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=out[1:])
@@ -258,7 +264,7 @@ def segment_axpy(
     _segment_axpy_kernel[grid](
         seg_ptr, item_seg.to(torch.int32), item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
         o[0], o[1], o[2], p[0], p[1], p[2], parts if dots is None else dots, n_seg, nnz,
-        s[0].stride(0), s[1].stride(0), o[0].stride(0),
+        s[0].stride(0), s[1].stride(0), o[0].stride(0), _length_bucket(nnz, n_seg),
         D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
     )  # fmt: skip
     if max_parts:

@@ -229,12 +229,9 @@ def test_compiles_without_graph_breaks():
 
 
 def test_custom_ops_pass_opcheck():
-    x, w_gate, w_up, w_down = _inputs(10, 64, 128, torch.float32)
-    torch.library.opcheck(
-        torch.ops.twell.ffn_train_fwd.default,
-        (x, w_gate, w_up, w_down),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+    inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
+    test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.twell.ffn_train_fwd.default, tuple(inputs), test_utils=test_utils)
 
 
 @pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3, ONE_DOT])

@@ -173,7 +173,7 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
         # Correct = within 3x the dense-bf16 error (the rounding level) or 1e-2, for y and every gradient.
         errs = [k for k in r if k.startswith("err_")]
         r["ok"] = all(r[k] <= max(3 * dense[k], 1e-2) for k in errs)
-    if getattr(args, "profile", False) and M == min(args.tokens_used):
+    if getattr(args, "profile", False) and (M, F) == (min(args.tokens_used), args.d_ff[0]):
         for variant in getattr(args, "variants", None) or BACKWARD_VARIANTS:
             args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant)
         set_backward_variant(BACKWARD_VARIANTS[0])
@@ -217,7 +217,15 @@ def run_train_bench(args) -> list[dict]:
             print_table(new)
             rows += new
             torch.cuda.empty_cache()
+            if getattr(args, "write_each_shape", False):  # a run cut short still leaves its numbers
+                _write_json(args.out, rows, args)
     return rows
+
+
+def _write_json(path: str, rows: list[dict], args) -> None:
+    blob = {"device": torch.cuda.get_device_name(), "rows": rows, "profiles": getattr(args, "profiles", [])}
+    with open(path, "w") as f:
+        json.dump(blob, f, indent=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,16 +246,11 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU")
+    args.write_each_shape = True
     rows = run_train_bench(args)
     print("\nall shapes:")
     print_table(rows)
-    with open(args.out, "w") as f:
-        blob = {
-            "device": torch.cuda.get_device_name(),
-            "rows": rows,
-            "profiles": getattr(args, "profiles", []),
-        }
-        json.dump(blob, f, indent=1)
+    _write_json(args.out, rows, args)
     print(f"wrote {args.out}")
 
 

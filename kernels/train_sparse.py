@@ -238,9 +238,11 @@ def segment_axpy(
     (the grid and the partial buffer are sized by bounds known from nnz).
     """
     n_seg, D = outs[0].shape
-    if n_seg == 0:
-        return
     nnz, device = gidx.numel(), gidx.device
+    if n_seg == 0 or nnz == 0:  # nothing to gather (e.g. every row on the dense overflow path)
+        for out in outs:
+            out.zero_()
+        return
     c = coefs + (coefs[0],) * (3 - len(coefs))
     s = sources + (sources[0],) * (2 - len(sources))
     o = outs + (outs[0],) * (3 - len(outs))

@@ -390,7 +390,11 @@ def launch_gate(
     temporary [M, F] buffer, freed on return, then _compact_dense_kernel)."""
     M = x.shape[0]
     F = w_gate.shape[0]
-    if epilogue == "twell" and _variant["path"] == "two_kernel" and M > 64:
+    # Measured on an H200 (docs/results/bench_gate_round3.txt): the two-kernel path beats the fused
+    # epilogue at 16384 (0.85 vs 0.99 ms) and 131072 tokens (6.64 vs 7.74 ms), so it is the GPU
+    # default until the fused epilogue reaches mainloop cost; the interpreter keeps the fused one.
+    path = _variant["path"] or ("fused" if interpreting() else "two_kernel")
+    if epilogue == "twell" and path == "two_kernel" and M > 64:
         h = torch.empty((M, F), dtype=x.dtype, device=x.device)
         _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         rows = 16

@@ -24,14 +24,13 @@ torch.compile'd model keeps the op in its graph (the entry count is an unbacked 
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from ._common import check_ffn_args, check_kernel_device
 from .gate import twell_gate
 from .reference import FFNOutput
 from .train_format import build_pattern
-from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
+from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
@@ -115,7 +114,7 @@ def _ffn_train_bwd(
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
     if variant == "csc_dh":
         h_c, up_c, gate_c = h[order], up[order], gate32[order]
-        dots = torch.zeros((triton.cdiv(x.shape[1], 128), rows.numel()), device=x.device, dtype=torch.float32)
+        dots = dots_buffer(x.shape[1], rows.numel(), x.device)
         segment_axpy(col_ptr, rows_by_col, (h_c,), (dy, w_down), (dw_down,), ONE_DOT, dots=dots)
         dh_c = dots.sum(dim=0) + l1_scale * torch.sign(h_c)
         d_gate_c, d_up_c = dh_c * up_c, dh_c * gate_c

@@ -85,7 +85,8 @@ def sampled_dot(rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor, b: torc
 @triton.jit
 def _segment_step(
     e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, offs_d, mask_d,
-    stride_s0, stride_s1, seg_row, dots_ptr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+    stride_s0, stride_s1, seg_row, dots_ptr, dots_stride, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Entries e0 .. e0 + BLOCK_E of one segment: gather their source rows, scale, accumulate."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
@@ -107,8 +108,13 @@ def _segment_step(
         c2 = tl.load(c2_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         t2 = tl.load(s1_ptr + g[:, None] * stride_s1 + offs_d[None, :], mask=mask, other=0.0)
         acc2 += c2[:, None] * t2.to(tl.float32)
-    if MODE == 4:  # this D slice's share of each entry's dot with the segment's own row
-        tl.store(dots_ptr + offs_e, tl.sum(t0 * seg_row[None, :], axis=1), mask=mask_e)
+    if MODE == 4:  # each 128-wide D slice's share of each entry's dot with the segment's own row
+        # Rows of `dots` are 128-column slices whatever BLOCK_D is, so every row is rewritten by every
+        # config the autotuner tries (no stale partials left by a narrower trial config).
+        NSUB: tl.constexpr = BLOCK_D // 128
+        part = tl.sum(tl.reshape(t0 * seg_row[None, :], [BLOCK_E, NSUB, 128]), axis=2)
+        subs = tl.arange(0, NSUB)
+        tl.store(dots_ptr + subs[None, :] * dots_stride + offs_e[:, None], part, mask=mask_e[:, None])
     return acc0, acc1, acc2
 
 
@@ -150,21 +156,21 @@ def _segment_axpy_kernel(
         )
     else:
         seg_row = tl.zeros([BLOCK_D], dtype=tl.float32)
-    dots_ptr += tl.program_id(1).to(tl.int64) * nnz  # one row of partial dots per D slice
+    dots_ptr += tl.program_id(1).to(tl.int64) * (BLOCK_D // 128) * nnz  # this program's 128-column slices
     if WHILE_LOOP:
         # The interpreter (with numpy >= 2) cannot run range() over loaded bounds; a while loop works.
         e0 = start
         while e0 < end:
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, MODE, BLOCK_E,
+                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, nnz, MODE, BLOCK_E, BLOCK_D,
             )  # fmt: skip
             e0 += BLOCK_E
     else:
         for e0 in range(start, end, BLOCK_E):
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, MODE, BLOCK_E,
+                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, nnz, MODE, BLOCK_E, BLOCK_D,
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
     part_offs = (tl.load(part_ptr_ptr + seg) + chunk).to(tl.int64) * stride_o + offs_d
@@ -205,6 +211,12 @@ def _sum_partials_kernel(
     )
 
 
+def dots_buffer(D: int, nnz: int, device) -> torch.Tensor:
+    """Zeroed fp32 [rows, nnz] for ONE_DOT's per-slice partial dots: one row per 128 columns of D, rounded
+    up to whole 256-column blocks so every autotuning config stays in bounds (extra rows stay 0)."""
+    return torch.zeros((2 * triton.cdiv(D, 256), nnz), device=device, dtype=torch.float32)
+
+
 def _length_bucket(nnz: int, n_seg: int) -> int:
     """Mean segment length, rounded to a power of two: keys the autotuning so that short row segments
     (~30 entries) and long column segments (~100-400) get their own tile shapes."""
@@ -232,7 +244,7 @@ def segment_axpy(
     seg_ptr int32 [n_seg + 1] (segment s = entries seg_ptr[s]:seg_ptr[s+1]); gidx [nnz] the source
     row of each entry; coefs fp32 [nnz] each. The number of coefs/sources/outs follows `mode`.
     ONE_DOT also writes dots[k, e] = src0[gidx[e], slice k] . src1[segment of e, slice k] for each
-    D slice k (fp32 [>= D / 128, nnz], zero-filled: slices past the tuned BLOCK_D grid stay 0).
+    128-column slice k of D (`dots_buffer(D, nnz)`; the sum over its rows is the full dot).
     Segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
     second kernel adds up in order: no atomics, bit-identical results run to run, no host sync
     (the grid and the partial buffer are sized by bounds known from nnz).

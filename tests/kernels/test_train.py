@@ -19,7 +19,7 @@ from kernels.synthetic import (
     paper_like_ffn_inputs,
 )
 from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
-from kernels.train_sparse import ONE, ONE_DOT, SPLIT3, SUM2, sampled_dot, segment_axpy
+from kernels.train_sparse import ONE, ONE_DOT, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -267,7 +267,7 @@ def test_segment_sums_split_long_segments_exactly(mode):
         expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources)
     outs = tuple(torch.full((n_seg, D), float("nan"), device=DEVICE) for _ in expected)  # poisoned
     on_device = [tuple(t.to(DEVICE) for t in group) for group in used]
-    dots = torch.zeros(D // 64, nnz, device=DEVICE)
+    dots = dots_buffer(D, nnz, DEVICE)
     segment_axpy(seg_ptr.to(DEVICE), gidx.to(DEVICE), *on_device, outs, mode, chunk=8, dots=dots)
     for out, ref in zip(outs, expected):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)

@@ -65,18 +65,20 @@ def _ffn_train_fwd(
     up = sampled_dot(pat.rows, pat.cols, x, w_up)
     h = pat.gate.float() * up
     y = torch.empty_like(x)  # overflow rows have empty segments: written as zeros, then replaced
-    segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE)
+    segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE, split=False)  # rows: <= T*slots entries
     l1_sum = h.abs().sum()
-    unit_fires = torch.bincount(pat.cols, minlength=w_gate.shape[0])
+    # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
+    unit_fires = torch.zeros(w_gate.shape[0], dtype=torch.int32, device=x.device)
+    unit_fires.index_add_(0, pat.cols, torch.ones_like(pat.cols))
     if pat.overflow_rows.numel():
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
         y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
         l1_sum = l1_sum + h_o.float().abs().sum()
-        unit_fires += (gate_o > 0).sum(dim=0)
+        unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
     # A fill kernel, not a host-to-device copy of a Python int.
     n_overflow = torch.full((), pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
     return (
-        y, l1_sum / M, pat.row_active, unit_fires.to(torch.int32), n_overflow,
+        y, l1_sum / M, pat.row_active, unit_fires, n_overflow,
         pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows,
     )  # fmt: skip
 
@@ -108,8 +110,9 @@ def _ffn_train_bwd(
     variant = _settings["backward"]
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     order = torch.argsort(cols, stable=True)
-    col_ptr = torch.zeros(F + 1, device=x.device, dtype=torch.int32)
-    torch.cumsum(torch.bincount(cols, minlength=F), dim=0, dtype=torch.int32, out=col_ptr[1:])
+    # Column starts by binary search in the sorted columns: no host sync (bincount has one), no atomics.
+    units = torch.arange(F + 1, device=x.device, dtype=torch.int32)
+    col_ptr = torch.searchsorted(cols[order], units).to(torch.int32)
     rows_by_col = rows[order]
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
     if variant == "csc_dh":
@@ -131,7 +134,7 @@ def _ffn_train_bwd(
             segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
             segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
     dx = torch.empty_like(x)
-    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2)
+    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2, split=False)
 
     if overflow_rows.numel():
         x_o, dy_o = x[overflow_rows], dy[overflow_rows]

@@ -131,21 +131,30 @@ def _segment_axpy_kernel(
     seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
     o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, dots_ptr, n_seg, nnz, stride_s0, stride_s1, stride_o,
     LEN_BUCKET, D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of rows)
-    # is spread over many programs instead of one program that finishes long after the rest.
     item = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    seg = tl.load(item_seg_ptr + item)
-    valid = seg < n_seg  # the grid is an upper bound on the number of items
-    seg = tl.minimum(seg, n_seg - 1)
-    first_item = tl.load(item_ptr_ptr + seg)
-    n_items = tl.load(item_ptr_ptr + seg + 1) - first_item
-    chunk = item - first_item
-    start = tl.load(seg_ptr + seg) + chunk * CHUNK
-    end = tl.minimum(tl.load(seg_ptr + seg + 1), start + CHUNK)
-    end = tl.where(valid, end, start)
+    if SPLIT:
+        # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of
+        # rows) is spread over many programs instead of one that finishes long after the rest.
+        seg = tl.load(item_seg_ptr + item)
+        valid = seg < n_seg  # the grid is an upper bound on the number of items
+        seg = tl.minimum(seg, n_seg - 1)
+        first_item = tl.load(item_ptr_ptr + seg)
+        n_items = tl.load(item_ptr_ptr + seg + 1) - first_item
+        chunk = item - first_item
+        start = tl.load(seg_ptr + seg) + chunk * CHUNK
+        end = tl.minimum(tl.load(seg_ptr + seg + 1), start + CHUNK)
+        end = tl.where(valid, end, start)
+        part_row = tl.load(part_ptr_ptr + seg) + chunk
+    else:  # one program per segment (short segments: CSR rows)
+        seg = item
+        valid = seg < n_seg
+        n_items = 1
+        part_row = 0
+        start = tl.load(seg_ptr + seg)
+        end = tl.load(seg_ptr + seg + 1)
     mask_d = offs_d < D
     acc0 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
@@ -173,7 +182,7 @@ def _segment_axpy_kernel(
                 offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, nnz, MODE, BLOCK_E, BLOCK_D,
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
-    part_offs = (tl.load(part_ptr_ptr + seg) + chunk).to(tl.int64) * stride_o + offs_d
+    part_offs = (part_row + tl.zeros([BLOCK_D], dtype=tl.int64)) * stride_o + offs_d
     direct = mask_d & valid & (n_items == 1)
     partial = mask_d & valid & (n_items > 1)
     _store_sum(tl.sum(acc0, axis=0), o0_ptr, p0_ptr, out_offs, part_offs, direct, partial)
@@ -238,6 +247,7 @@ def segment_axpy(
     mode: int,
     chunk: int = 512,
     dots: torch.Tensor | None = None,
+    split: bool = True,
 ) -> None:
     """Fill `outs` ([n_seg, D] each, fully written) with segment sums of gathered source rows.
 
@@ -245,7 +255,8 @@ def segment_axpy(
     row of each entry; coefs fp32 [nnz] each. The number of coefs/sources/outs follows `mode`.
     ONE_DOT also writes dots[k, e] = src0[gidx[e], slice k] . src1[segment of e, slice k] for each
     128-column slice k of D (`dots_buffer(D, nnz)`; the sum over its rows is the full dot).
-    Segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
+    split=False (segments known to be short, e.g. CSR rows): one program per segment, no work list.
+    Otherwise segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
     second kernel adds up in order: no atomics, bit-identical results run to run, no host sync
     (the grid and the partial buffer are sized by bounds known from nnz).
     """
@@ -260,6 +271,14 @@ def segment_axpy(
     o = outs + (outs[0],) * (3 - len(outs))
     assert all(t.stride(1) == 1 for t in s + o) and all(t.stride(0) == D for t in o)
 
+    if not split:  # short segments (rows): one program each, no work list, no partials
+        grid = lambda meta: (n_seg, triton.cdiv(D, meta["BLOCK_D"]))
+        _segment_axpy_kernel[grid](
+            seg_ptr, seg_ptr, seg_ptr, seg_ptr, gidx, c[0], c[1], c[2], s[0], s[1], o[0], o[1], o[2],
+            o[0], o[0], o[0], o[0], n_seg, nnz, s[0].stride(0), s[1].stride(0), o[0].stride(0),
+            _length_bucket(nnz, n_seg), D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=False,
+        )  # fmt: skip
+        return
     seg_len = seg_ptr[1:] - seg_ptr[:-1]
     n_items = ((seg_len + (chunk - 1)) // chunk).clamp_min(1)  # an empty segment still writes zeros
     item_ptr = _exclusive_cumsum(n_items)
@@ -279,7 +298,7 @@ def segment_axpy(
         seg_ptr, item_seg.to(torch.int32), item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
         o[0], o[1], o[2], p[0], p[1], p[2], parts if dots is None else dots, n_seg, nnz,
         s[0].stride(0), s[1].stride(0), o[0].stride(0), _length_bucket(nnz, n_seg),
-        D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
+        D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=True,
     )  # fmt: skip
     if max_parts:
         for i, out in enumerate(outs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -36,6 +37,30 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
             f"tokenizer {name_or_path!r} has no EOS token, which joins documents in packed rows; "
             "set eos_token in its tokenizer_config.json (e.g. '<|endoftext|>')"
         )
+    return tokenizer
+
+
+def train_bpe_tokenizer(
+    texts: list[str], vocab_size: int, out_dir: str | Path, eos_token: str = "<|endoftext|>"
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on texts (eos_token as its only special token, also the BOS), saved in out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer, length=len(texts))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=eos_token, bos_token=eos_token, model_max_length=2**30
+    )
+    tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
 

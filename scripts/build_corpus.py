@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.token_shards import ShardWriter, write_manifest  # noqa: E402
+from data.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 PACKAGES = ["dict-gcide", "dict-wn", "dict-foldoc", "dict-jargon", "dict-devil", "perl-doc", "git-doc",
             "debian-reference-en", "fortunes"]  # fmt: skip
@@ -154,26 +155,6 @@ def collect(doc_chars: int) -> dict[str, list[str]]:
 
 
 # ---------------------------------------------------------------- tokenizer and shards
-def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts, trainer, length=len(texts))
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS, bos_token=EOS, model_max_length=2**30
-    ).save_pretrained(str(out))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "offline" / "corpus"))
@@ -212,7 +193,7 @@ def main() -> None:
     tmp.mkdir(parents=True)
     if args.tokenizer is None:
         print(f"training a byte-level BPE (vocab {args.vocab_size}) on {len(train)} documents ...")
-        train_tokenizer(train, args.vocab_size, tmp / "tokenizer")
+        train_bpe_tokenizer(train, args.vocab_size, tmp / "tokenizer", eos_token=EOS)
         tokenizer_name = (
             str((out / "tokenizer").relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out / "tokenizer")
         )

@@ -29,6 +29,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.tokenizer import train_bpe_tokenizer  # noqa: E402
+
 VERSION = 2  # bump when the output changes, so existing copies are rebuilt
 EOS = "<|endoftext|>"
 MIN_CHARS = 300
@@ -129,28 +133,6 @@ def build_rows(docs: list[tuple[str, str]]) -> list[dict]:
     return rows
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, model_max_length=2**30
-    )
-    wrapped.save_pretrained(str(out))
-    return tokenizer
-
-
 def write_parquet(rows: list[dict], path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path, row_group_size=256)
 
@@ -190,7 +172,8 @@ def main() -> None:
     tmp = out / ".prepare_tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "sample").mkdir(parents=True)
-    tokenizer = train_tokenizer([r["text"] for r in train], args.vocab_size, tmp / "tokenizer")
+    tokenizer = train_bpe_tokenizer([r["text"] for r in train], args.vocab_size, tmp / "tokenizer", EOS)
+    tokenizer = tokenizer.backend_tokenizer  # the Rust tokenizer: encode_batch gives .ids directly
     for split in (train, val):
         for row, encoding in zip(
             split, tokenizer.encode_batch([r["text"] for r in split], add_special_tokens=False)

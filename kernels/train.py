@@ -30,6 +30,7 @@ from ._common import check_ffn_args, check_kernel_device
 from .gate import twell_gate
 from .reference import FFNOutput
 from .train_format import build_pattern
+from .train_rowfwd import row_ffn_forward
 from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
@@ -39,13 +40,22 @@ from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampl
 #   "csc_dh": dh inside the dy column pass (w_down[j] read once per column slice, not once per
 #             entry), then an x pass for dW_gate/dW_up: one gathered row per entry fewer.
 BACKWARD_VARIANTS = ("fused3", "split", "csc_dh")
-_settings = {"backward": "fused3"}
+# Forward: "row" = u and y fused in one program per row loading whole weight rows (train_rowfwd.py);
+# "split" = a sampled-dot kernel for u, then a row-segment kernel for y over D slices.
+FORWARD_VARIANTS = ("row", "split")
+_settings = {"backward": "fused3", "forward": "row"}
 
 
 def set_backward_variant(name: str) -> None:
     if name not in BACKWARD_VARIANTS:
         raise ValueError(f"backward variant {name!r} is unknown; choose one of {BACKWARD_VARIANTS}")
     _settings["backward"] = name
+
+
+def set_forward_variant(name: str) -> None:
+    if name not in FORWARD_VARIANTS:
+        raise ValueError(f"forward variant {name!r} is unknown; choose one of {FORWARD_VARIANTS}")
+    _settings["forward"] = name
 
 
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,10 +72,15 @@ def _ffn_train_fwd(
     M = x.shape[0]
     tw = twell_gate(x, w_gate)
     pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
-    up = sampled_dot(pat.rows, pat.cols, x, w_up)
-    h = pat.gate.float() * up
-    y = torch.empty_like(x)  # overflow rows have empty segments: written as zeros, then replaced
-    segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE, split=False)  # rows: <= T*slots entries
+    # Overflow rows have empty segments: y is written as zeros there, then replaced below.
+    if _settings["forward"] == "row":
+        up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down)
+        h = pat.gate.float() * up
+    else:
+        up = sampled_dot(pat.rows, pat.cols, x, w_up)
+        h = pat.gate.float() * up
+        y = torch.empty_like(x)
+        segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE, split=False)  # rows: <= T*slots
     l1_sum = h.abs().sum()
     # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
     unit_fires = torch.zeros(w_gate.shape[0], dtype=torch.int32, device=x.device)

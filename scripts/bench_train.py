@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn  # noqa: E402
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, set_forward_variant, twell_ffn  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -132,11 +132,13 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
     if compiled is not None:
         impls.append(("dense_compiled", compiled, None))
     impls += [(f"twell_{v}", _twell_y_l1, v) for v in getattr(args, "variants", None) or BACKWARD_VARIANTS]
+    impls.append(("twell_fwdsplit", _twell_y_l1, "fwdsplit"))  # fused3 backward, the two-kernel forward
 
     rows = []
     for name, fn, variant in impls:
         if variant:
-            set_backward_variant(variant)
+            set_forward_variant("split" if variant == "fwdsplit" else "row")
+            set_backward_variant(BACKWARD_VARIANTS[0] if variant == "fwdsplit" else variant)
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -163,6 +165,7 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
             )
         rows.append(row)
     set_backward_variant(BACKWARD_VARIANTS[0])
+    set_forward_variant("row")
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))

@@ -8,6 +8,7 @@ section found in the checkpoint folder or above it (the run dir), or a preset na
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,31 @@ import torch
 from model import ModelConfig, Transformer
 
 RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
+
+
+def parse_settings(
+    words: list[str], option_keys: set[str], usage: str, expected: str = "key=value"
+) -> tuple[dict, dict]:
+    """key=value words -> (script options: keys in option_keys, ModelConfig overrides with JSON-ish values).
+
+    checkpoint= is required. Errors exit with "error: ..." followed by usage (e.g. " (see --help)" or
+    the script's docstring); expected names what each word should be (in the "got ..." message).
+    """
+    options, overrides = {}, {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: expected {expected}, got {word!r}{usage}")
+        if key in option_keys:
+            options[key] = value
+        else:
+            try:
+                overrides[key] = json.loads(value)
+            except ValueError:
+                overrides[key] = value
+    if "checkpoint" not in options:
+        raise SystemExit(f"error: checkpoint=<path> is required{usage}")
+    return options, overrides
 
 
 def is_hf_folder(path: Path) -> bool:

@@ -17,7 +17,6 @@ bench_ffn.py's format (several layers: PATH's stem + .layerNN.pt).
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -35,30 +34,17 @@ from eval.activity import (  # noqa: E402
     text_sequences,
     validation_rows,
 )
-from eval.load import find_run_config, is_hf_folder, latest_step_dir, load_for_eval  # noqa: E402
+from eval.load import (  # noqa: E402
+    find_run_config,
+    is_hf_folder,
+    latest_step_dir,
+    load_for_eval,
+    parse_settings,
+)
 
 LOAD_KEYS = {"checkpoint", "model", "tokenizer", "device"}
 DTYPES = {"model": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 REPO = Path(__file__).resolve().parents[1]
-
-
-def split_settings(words: list[str]) -> tuple[dict, dict]:
-    """key=value words -> (loading options, ModelConfig overrides with JSON-ish values), as eval.py."""
-    options, overrides = {}, {}
-    for word in words:
-        key, sep, value = word.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"error: expected key=value or a --flag, got {word!r} (see --help)")
-        if key in LOAD_KEYS:
-            options[key] = value
-        else:
-            try:
-                overrides[key] = json.loads(value)
-            except ValueError:
-                overrides[key] = value
-    if "checkpoint" not in options:
-        raise SystemExit("error: checkpoint=<path> is required (see --help)")
-    return options, overrides
 
 
 def run_config_of(checkpoint: Path) -> dict:
@@ -104,7 +90,9 @@ def main(argv=None) -> None:
     layer.add_argument("--layers", help="'all' or a comma-separated list")
     p.add_argument("--dump-dtype", choices=sorted(DTYPES), default="model", help="dtype of the dump")
     args = p.parse_args(argv)
-    options, overrides = split_settings(args.settings)
+    options, overrides = parse_settings(
+        args.settings, LOAD_KEYS, " (see --help)", expected="key=value or a --flag"
+    )
     if args.file and not Path(args.file).is_file():
         raise SystemExit(f"error: --file {args.file} does not exist (give a UTF-8 text file, or use --text)")
 

@@ -14,7 +14,6 @@ scripts/setup_offline_eval.py; auto = when HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is
 offline_tasks (that folder), tokenizer, ffn_impl, and any ModelConfig field as an override.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,33 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data import load_tokenizer  # noqa: E402
-from eval.load import load_for_eval  # noqa: E402
+from eval.load import load_for_eval, parse_settings  # noqa: E402
 
 SCRIPT_KEYS = {"checkpoint", "model", "tokenizer", "tasks", "limit", "batch_size", "device", "out", "offline"}
 SCRIPT_KEYS |= {"offline_tasks"}
 
 
-def parse_args(argv: list[str]) -> tuple[dict, dict]:
-    """key=value words -> (script options, ModelConfig overrides with JSON-ish values)."""
-    options, overrides = {}, {}
-    for word in argv:
-        key, sep, value = word.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"error: expected key=value, got {word!r}\n\n{__doc__}")
-        if key in SCRIPT_KEYS:
-            options[key] = value
-        else:
-            try:
-                overrides[key] = json.loads(value)
-            except ValueError:
-                overrides[key] = value
-    if "checkpoint" not in options:
-        raise SystemExit(f"error: checkpoint=<path> is required\n\n{__doc__}")
-    return options, overrides
-
-
 def main(argv=None) -> None:
-    options, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    options, overrides = parse_settings(words, SCRIPT_KEYS, f"\n\n{__doc__}")
     from eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
 
     offline = {"auto": None, "true": True, "false": False}.get(options.get("offline", "auto").lower())

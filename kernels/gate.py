@@ -265,19 +265,79 @@ def _gate_one_tile(
 
 @triton.jit
 def _compact_dense_kernel(
-    h_ptr, counts_ptr, cols_ptr, vals_ptr, M, F, T,
-    SLOTS: tl.constexpr, TILE_N: tl.constexpr, ROWS: tl.constexpr, OFF32: tl.constexpr,
+    h_ptr, counts_ptr, cols_ptr, vals_ptr, hot_pos_ptr, ghot_ptr, M, F, K_HOT, M_BUCKET,
+    T: tl.constexpr, T_PAD: tl.constexpr, SLOTS: tl.constexpr, TILE_N: tl.constexpr,
+    ROWS: tl.constexpr, OFF32: tl.constexpr, HOT: tl.constexpr,
 ):  # fmt: skip
-    """Second kernel of the two-kernel path: TwELL tiles from a dense relu(x w^T) [M, F] (one program
-    per ROWS rows x one format tile; a pure streaming read of h)."""
+    """Second kernel of the two-kernel path: TwELL tiles from a dense relu(x w^T) [M, F].
+
+    One program per ROWS rows walks all T format tiles of those rows: the rows are one contiguous
+    ROWS x F block of h (a streaming read in 16-byte vectors, no 512-byte fragments scattered over
+    the whole buffer), and the [ROWS, T] counts leave in one 2-D store at the end.
+    HOT: columns with hot_pos[c] >= 0 are computed densely by the caller: their values go to
+    ghot[row, hot_pos[c]] ([M, K_HOT], every hot column of every row written, zeros included) and they
+    are left out of the TwELL entries AND of the counts, so overflow is decided on cold positives only.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tile = tl.program_id(1)
-    cols = tile * TILE_N + tl.arange(0, TILE_N)
-    ok = (rows < M)[:, None] & (cols < F)[None, :]
-    h = tl.load(h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], mask=ok, other=0.0)
-    none = tl.zeros((ROWS,), dtype=tl.int32)
-    count = _compact_chunk(h, rows, cols, tile, none, M, F, T, cols_ptr, vals_ptr, SLOTS, OFF32)
-    tl.store(counts_ptr + rows.to(tl.int64) * T + tile, count, mask=rows < M)
+    row_ok = rows < M
+    safe_rows = tl.minimum(rows, M - 1)  # clamped, not masked: the loads stay unpredicated per row
+    ts = tl.arange(0, T_PAD)
+    counts = tl.zeros((ROWS, T_PAD), dtype=tl.int32)
+    h_rows = h_ptr + safe_rows[:, None].to(tl.int64) * F
+    for tile in range(T):
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
+        col_ok = cols < F
+        h = tl.load(h_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        active = h > 0
+        if HOT:
+            hp = tl.load(hot_pos_ptr + cols, mask=col_ok, other=-1)
+            is_hot = hp >= 0
+            g_off = rows[:, None].to(tl.int64) * K_HOT + hp[None, :]
+            tl.store(
+                ghot_ptr + g_off, h.to(ghot_ptr.dtype.element_ty), mask=row_ok[:, None] & is_hot[None, :]
+            )
+            active = active & (hp < 0)[None, :]
+        act_i = active.to(tl.int32)
+        slot = tl.cumsum(act_i, axis=1) - 1  # rank among the (cold) positives of the row's tile
+        keep = active & (slot < SLOTS) & row_ok[:, None]
+        if OFF32:
+            entry = ((rows * T + tile) * SLOTS)[:, None] + slot
+        else:
+            entry = ((rows.to(tl.int64) * T + tile) * SLOTS)[:, None] + slot
+        tl.store(cols_ptr + entry, cols[None, :].to(cols_ptr.dtype.element_ty), mask=keep)
+        tl.store(vals_ptr + entry, h.to(vals_ptr.dtype.element_ty), mask=keep)
+        counts = tl.where(ts[None, :] == tile, tl.sum(act_i, axis=1)[:, None], counts)
+    c_off = rows[:, None].to(tl.int64) * T + ts[None, :]
+    tl.store(counts_ptr + c_off, counts, mask=row_ok[:, None] & (ts < T)[None, :])
+
+
+def _compact_configs() -> list[triton.Config]:
+    # (ROWS, warps): ROWS x 256 bf16 per tile step; more rows = more bytes in flight per program.
+    return [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((16, 4), (32, 8), (8, 4), (32, 4))]
+
+
+_tuned_compact = triton.autotune(
+    configs=_compact_configs(), key=["M_BUCKET", "F", "T", "SLOTS", "TILE_N", "HOT"]
+)(_compact_dense_kernel)
+
+
+def launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
+    """TwELL format (counts, cols, vals) from a dense relu buffer h [M, F]; with hot_pos ([F] int32,
+    -1 for cold columns) the hot columns go to g_hot [M, K] instead of the entries (see the kernel)."""
+    M, F = h.shape
+    T = cdiv(F, tile_n)
+    hot = hot_pos is not None
+    args = (
+        h, counts, cols, vals, hot_pos if hot else counts, g_hot if hot else vals, M, F,
+        g_hot.shape[1] if hot else 1, min(next_pow2(M), 1 << 17),
+    )  # fmt: skip
+    common = dict(
+        T=T, T_PAD=next_pow2(T), SLOTS=slots, TILE_N=tile_n, OFF32=_off32(M, F, tile_n, slots), HOT=hot
+    )
+    if interpreting():
+        _compact_dense_kernel[(cdiv(M, 16),)](*args, ROWS=16, **common)
+        return
+    _tuned_compact[lambda meta: (cdiv(M, meta["ROWS"]),)](*args, **common)
 
 
 def _set_desc_blocks(nargs):
@@ -397,12 +457,7 @@ def launch_gate(
     if epilogue == "twell" and path == "two_kernel" and M > 64:
         h = torch.empty((M, F), dtype=x.dtype, device=x.device)
         _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
-        rows = 16
-        grid = (cdiv(M, rows), cdiv(F, tile_n))
-        _compact_dense_kernel[grid](
-            h, counts, cols, vals, M, F, cdiv(F, tile_n), SLOTS=slots, TILE_N=tile_n, ROWS=rows,
-            OFF32=_off32(M, F, tile_n, slots), num_warps=4,
-        )  # fmt: skip
+        launch_compact(h, counts, cols, vals, tile_n, slots)
         del h  # back to the caching allocator at once: the dense pass is transient
         return
     _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense)
@@ -469,6 +524,16 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) 
     _tuned_kernel(regime)[grid](*args, m_bucket, **fixed, **common)
 
 
+def _format(M: int, F: int, slots: int | None, tile_n: int | None) -> tuple[int, int]:
+    tile_n = default_tile_n(M, F) if tile_n is None else int(tile_n)
+    if tile_n not in (32, 64, 128, 256):
+        raise ValueError(f"tile_n={tile_n} is not supported; use 32, 64, 128 or 256")
+    slots = default_slots(tile_n) if slots is None else int(slots)
+    if not 1 <= slots <= tile_n:
+        raise ValueError(f"slots={slots} must be in [1, tile_n={tile_n}]")
+    return tile_n, slots
+
+
 def twell_gate(
     x: torch.Tensor, w_gate: torch.Tensor, *, slots: int | None = None, tile_n: int | None = None
 ) -> TwELLGate:
@@ -477,12 +542,7 @@ def twell_gate(
     check_kernel_device(x)
     M, D = x.shape
     F = w_gate.shape[0]
-    tile_n = default_tile_n(M, F) if tile_n is None else int(tile_n)
-    if tile_n not in (32, 64, 128, 256):
-        raise ValueError(f"tile_n={tile_n} is not supported; use 32, 64, 128 or 256")
-    slots = default_slots(tile_n) if slots is None else int(slots)
-    if not 1 <= slots <= tile_n:
-        raise ValueError(f"slots={slots} must be in [1, tile_n={tile_n}]")
+    tile_n, slots = _format(M, F, slots, tile_n)
     T = cdiv(F, tile_n)
     col_dtype = torch.int16 if F <= torch.iinfo(torch.int16).max else torch.int32
     counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
@@ -490,3 +550,51 @@ def twell_gate(
     vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
     launch_gate(x, w_gate, counts, cols, vals, tile_n, slots)
     return TwELLGate(counts, cols, vals, tile_n, slots)
+
+
+# Rows of h whose positives choose the hot units: a statistic only (any hot set gives exact results,
+# the compaction leaves exactly the chosen columns to the dense part), so a strided sample is enough.
+HOT_SAMPLE_ROWS = 4096
+
+
+class HotGate(NamedTuple):
+    gate: TwELLGate  # the cold part: entries and counts of non-hot columns only
+    hot_idx: torch.Tensor  # int64 [K] sorted hot columns
+    hot_pos: torch.Tensor  # int32 [F]: position of column c in hot_idx, -1 if cold
+    g_hot: torch.Tensor  # [M, K] dtype of x: relu gate values of the hot columns (zeros included)
+
+
+def twell_gate_hot(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    hot_units: int,
+    *,
+    slots: int | None = None,
+    tile_n: int | None = None,
+) -> HotGate:
+    """Gate for the hot-unit split: dense relu pass, the hot_units most frequent units of a row sample
+    (torch.topk on device, no host sync), then one compaction pass that writes the hot columns densely
+    to g_hot and the cold ones in TwELL form (counts = cold positives only)."""
+    check_x_weight(x, w_gate, "w_gate")
+    check_kernel_device(x)
+    M, D = x.shape
+    F = w_gate.shape[0]
+    K = int(hot_units)
+    if not 1 <= K <= F:
+        raise ValueError(f"hot_units={K} must be in [1, d_ff={F}]")
+    tile_n, slots = _format(M, F, slots, tile_n)
+    T = cdiv(F, tile_n)
+    col_dtype = torch.int16 if F <= torch.iinfo(torch.int16).max else torch.int32
+    counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
+    cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
+    vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
+    fires = (h[:: max(1, M // HOT_SAMPLE_ROWS)] > 0).sum(0, dtype=torch.int32)
+    hot_idx = torch.topk(fires, K, sorted=False).indices.sort().values
+    hot_pos = torch.full((F,), -1, dtype=torch.int32, device=x.device)
+    hot_pos[hot_idx] = torch.arange(K, dtype=torch.int32, device=x.device)
+    g_hot = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
+    del h
+    return HotGate(TwELLGate(counts, cols, vals, tile_n, slots), hot_idx, hot_pos, g_hot)

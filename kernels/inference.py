@@ -1,15 +1,15 @@
 """Fused TwELL inference FFN: y = sum_j relu(g_j) * (x . w_up[j]) * w_down[j], h never in memory.
 
-Two schedules over the same gate GEMM:
+Schedule: one program per token row walks its TwELL entries on CUDA cores, gathering w_up[j] and
+w_down[j] for each active unit (the paper's reference schedule); overflow tiles (more positives than
+slots) are recomputed densely from x and w_gate inside the program.
 
-* "row"   - one program per token row walks its TwELL entries on CUDA cores: gather w_up[j] and
-            w_down[j] for each active unit (the paper's reference schedule). Overflow tiles (more
-            positives than slots) are recomputed densely from x and w_gate inside the program.
-* "block" - a block of BLOCK_M rows works on the union of its active units (kernels/union.py): the
-            gate epilogue compacts the union per column tile, then tensor-core GEMMs run on the
-            gathered weight rows, so each weight row is read once per block instead of once per
-            token. Never overflows: a union holds at most the tile's width.
-NOTES.md has the arithmetic behind both.
+Hot units (large batches, `hot_units=K`): the K units that fire most often in this batch (chosen on
+the GPU from a row sample of the dense gate buffer) are computed densely on tensor cores,
+y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]; the compaction leaves those columns out of the
+TwELL entries and counts, and the row consumer starts from y_hot. Exact for any choice of hot set.
+(The "block" union schedule lost everywhere on the H200 and was removed.)
+NOTES.md has the arithmetic.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 
 from ._common import check_ffn_args, check_kernel_device, interpreting, next_pow2
-from .gate import twell_gate
+from .gate import twell_gate, twell_gate_hot
 
-SCHEDULES = ("row", "block")
+SCHEDULES = ("row",)
 
 
 class InferenceStats(NamedTuple):
-    overflow_rows: torch.Tensor  # int32 0-dim: rows that took the overflow path (always 0 for "block")
+    overflow_rows: torch.Tensor  # int32 0-dim: rows that took the overflow path
 
 
 @triton.jit
@@ -72,9 +72,10 @@ def _entry_chunk(
 
 
 @triton.jit
-def _overflow_tile(x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, ds, d_ok, F, D: tl.constexpr,
-                   TILE_N: tl.constexpr, OCH: tl.constexpr):  # fmt: skip
-    """A tile whose positives did not fit the slots: recompute it densely from w_gate (exact)."""
+def _overflow_tile(x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, hot_ptr, ds, d_ok, F, D: tl.constexpr,
+                   TILE_N: tl.constexpr, OCH: tl.constexpr, HOT: tl.constexpr):  # fmt: skip
+    """A tile whose positives did not fit the slots: recompute it densely from w_gate (exact). With HOT,
+    hot units (hot_pos >= 0) are skipped: the dense hot part already holds them."""
     acc = tl.zeros(ds.shape, dtype=tl.float32)
     for c0 in range(0, TILE_N, OCH):
         units = tile * TILE_N + c0 + tl.arange(0, OCH)
@@ -84,6 +85,8 @@ def _overflow_tile(x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, ds, d_ok, F, 
         gate = tl.maximum(tl.sum(wg.to(tl.float32) * x[None, :], axis=1), 0.0)
         # Round like the TwELL values so both paths give the same numbers.
         gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)
+        if HOT:
+            gate = tl.where(tl.load(hot_ptr + units, mask=unit_ok, other=0) < 0, gate, 0.0)
         live = (gate > 0)[:, None] & d_ok[None, :]
         wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
         wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
@@ -102,6 +105,8 @@ def _row_consumer_kernel(
     counts_ptr,
     cols_ptr,
     vals_ptr,
+    hot_ptr,
+    init_ptr,
     F,
     M_BUCKET,
     T: tl.constexpr,
@@ -113,6 +118,7 @@ def _row_consumer_kernel(
     CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     DYNAMIC_LOOPS: tl.constexpr,
+    HOT: tl.constexpr,
 ):
     # Program (row, part): part takes the row's chunks part, part + SPLIT, ... and its overflow tiles
     # t = part mod SPLIT. SPLIT > 1 (decode: few rows, many SMs) adds into an fp32 y with atomics.
@@ -128,7 +134,12 @@ def _row_consumer_kernel(
     incl = tl.cumsum(listed, axis=0)
     excl = incl - listed
     total = tl.sum(listed, axis=0)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HOT:  # start from the dense hot part's y row (SPLIT == 1 only)
+        acc = tl.load(init_ptr + row * D + ds, mask=d_ok, other=0.0, eviction_policy="evict_first").to(
+            tl.float32
+        )
+    else:
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     lanes = tl.arange(0, CHUNK)
     if DYNAMIC_LOOPS:
         for e0 in range(part * CHUNK, total, SPLIT * CHUNK):
@@ -161,8 +172,9 @@ def _row_consumer_kernel(
             if tile % SPLIT == part:
                 if tl.load(counts_ptr + row * T + tile) > SLOTS:
                     acc += _overflow_tile(
-                        x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, ds, d_ok, F, D, TILE_N, CHUNK
-                    )
+                        x, row, tile, wg_ptr, wu_ptr, wd_ptr, vals_ptr, hot_ptr, ds, d_ok, F, D, TILE_N,
+                        CHUNK, HOT,
+                    )  # fmt: skip
     if SPLIT == 1:
         tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
     else:
@@ -174,7 +186,7 @@ def _consumer_configs() -> list[triton.Config]:
     return [triton.Config({"CHUNK": ch}, num_warps=w) for ch, w in ((8, 8), (16, 8), (8, 4), (4, 4))]
 
 
-_tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", "D", "T", "SLOTS"])(
+_tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", "D", "T", "SLOTS", "HOT"])(
     _row_consumer_kernel
 )
 
@@ -189,14 +201,45 @@ def set_decode_split(split: int) -> None:
     _settings["decode_split"] = int(split)
 
 
-def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split):
+# Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES.md: a unit is
+# worth a tensor-core column when it fires on more than ~0.8% of tokens; under the paper-like
+# log-normal rates that is the top ~500-700 of 5632 units; 512 leaves a margin).
+HOT_MIN_TOKENS = 4096
+DEFAULT_HOT_UNITS = 512
+
+
+def default_hot_units(M: int, F: int) -> int:
+    if M < HOT_MIN_TOKENS or interpreting():
+        return 0
+    return min(DEFAULT_HOT_UNITS, F // 4)
+
+
+def _hot_part(x, w_up, w_down, hot):
+    """y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]: two tensor-core GEMMs on gathered rows."""
+    u = x @ w_up.index_select(0, hot.hot_idx).T
+    u.mul_(hot.g_hot)
+    return u @ w_down.index_select(0, hot.hot_idx)
+
+
+def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units):
     M, D = x.shape
     F = w_gate.shape[0]
     decode = M <= DECODE_MAX_TOKENS and not interpreting()
     if decode and tile_n is None and slots is None:
         # 32-wide tiles with 32 slots: the gate GEMV gets F/32 programs, and no tile can overflow.
         tile_n = slots = 32
-    gate = twell_gate(x, w_gate, slots=slots, tile_n=tile_n)
+    if hot_units is None:
+        hot_units = default_hot_units(M, F)
+    hot_units = 0 if decode else min(int(hot_units), F)
+    if hot_units < 0:
+        raise ValueError(f"hot_units={hot_units} must be >= 0")
+    if hot_units:
+        hot = twell_gate_hot(x, w_gate, hot_units, slots=slots, tile_n=tile_n)
+        gate = hot.gate
+        y_hot = _hot_part(x, w_up, w_down, hot)
+        split = 1
+    else:
+        gate = twell_gate(x, w_gate, slots=slots, tile_n=tile_n)
     T = gate.counts.shape[1]
     if split is None:
         split = _settings["decode_split"] if decode else 1
@@ -210,9 +253,11 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split):
         SLOTS=gate.slots,
         SPLIT=split,
         DYNAMIC_LOOPS=not interpreting(),
+        HOT=bool(hot_units),
     )
     args = (x, w_gate, w_up, w_down)
-    fmt = (gate.counts, gate.cols, gate.vals, F, min(next_pow2(M), 1 << 17))
+    extra = (hot.hot_pos, y_hot) if hot_units else (gate.counts, x)  # placeholders when not HOT
+    fmt = (gate.counts, gate.cols, gate.vals, *extra, F, min(next_pow2(M), 1 << 17))
     if split == 1 and not interpreting():
         y = torch.empty_like(x)
         _tuned_consumer[(M, 1)](*args, y, *fmt, **common)
@@ -230,8 +275,6 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split):
 
 
 def default_schedule(M: int) -> str:
-    """The per-row schedule (flattened entry chunks): the block schedule is kept only for comparison
-    until a GPU run shows it ahead somewhere (NOTES.md)."""
     return "row"
 
 
@@ -246,23 +289,21 @@ def twell_ffn_inference(
     slots: int | None = None,
     tile_n: int | None = None,
     split: int | None = None,
+    hot_units: int | None = None,
     return_stats: bool = False,
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row" or "block" (None: the faster one for this device). slots / tile_n: TwELL format
-    of the row schedule (see kernels.gate); split: programs per row of its consumer (None: several
-    at decode sizes, where few rows must fill the GPU; 1 otherwise). With return_stats=True returns (y, InferenceStats).
+    schedule: "row" (None: the default). slots / tile_n: TwELL format (see kernels.gate); split:
+    programs per row of the consumer (None: several at decode sizes, where few rows must fill the GPU;
+    1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS
+    from HOT_MIN_TOKENS tokens on; ignored at decode sizes on a GPU). With return_stats=True returns
+    (y, InferenceStats).
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     schedule = default_schedule(x.shape[0]) if schedule is None else schedule
-    if schedule == "row":
-        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split)
-    elif schedule == "block":
-        from .union import block_schedule
-
-        y, stats = block_schedule(x, w_gate, w_up, w_down, tile_n)
-    else:
+    if schedule != "row":
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units)
     return (y, stats) if return_stats else y

@@ -1,15 +1,17 @@
-"""Benchmark the TwELL FFN against dense PyTorch/cuBLAS (eager and torch.compile) on one GPU.
+"""Benchmark the TwELL FFN against dense PyTorch/cuBLAS on one GPU (inference mode, same inputs).
 
-    python scripts/bench_ffn.py --out bench_ffn.json            # full run (< 6 min on an H200)
-    python scripts/bench_ffn.py --quick                          # a short run
+    python scripts/bench_ffn.py --out bench_ffn.json            # tokens 1 64 4096 16384 131072, d_ff 5632
+    python scripts/bench_ffn.py --hot-units 0 256 512 768       # which dense hot-unit counts to compare
+    python scripts/bench_ffn.py --compile --d-ff 5632 8192      # + torch.compile'd dense, more shapes
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
     python scripts/bench_ffn.py --mode train                     # training kernels (scripts/bench_train.py)
 
-The gate is timed per variant (a program per tile / persistent / two-kernel) and the fastest is used for
-the FFN; 'sparse' = FFN - gate (row schedule), with TF/s of useful work (4 D per active pair) and the GB/s
-the weight rows would need if no two tokens shared one (2 rows of D per active pair).
-Every measured configuration is also checked row by row against a float32 reference (max relative
-error per row < 1e-2). Small batches run under CUDA graphs (launch overhead would dominate otherwise).
+Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
+hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64).
+'hgate' = the hot-split gate alone (dense pass + sample + top-K + compaction), 'hmm' = the two hot
+GEMMs; 'sparse' = FFN - gate - hmm, with the GB/s the weight rows of the cold pairs would need if no two
+tokens shared one. Every configuration is checked row by row against a float32 reference (max
+relative error per row < 1e-2). Small batches run under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.gate import set_gate_variant  # noqa: E402
-from kernels.inference import DECODE_MAX_TOKENS  # noqa: E402
+from kernels.gate import twell_gate_hot  # noqa: E402
+from kernels.inference import DECODE_MAX_TOKENS, _hot_part  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
@@ -65,21 +67,6 @@ def gate_call(x, w_gate):
     return twell_gate(x, w_gate)
 
 
-def pick_gate_variant(x, w_gate, graph, rep) -> tuple[str, dict]:
-    """Time the gate's variants (one program per tile / persistent grid / dense pass + compaction
-    kernel) and keep the fastest."""
-    times = {}
-    options = {"tiles": {}}
-    if x.shape[0] > DECODE_MAX_TOKENS:
-        options.update(persistent={"persistent": True}, two_kernel={"path": "two_kernel"})
-    for name, variant in options.items():
-        set_gate_variant(**variant)
-        times[name] = timed(lambda: gate_call(x, w_gate), graph, rep)
-    best = min(times, key=times.get)
-    set_gate_variant(**options[best])
-    return best, times
-
-
 def bench_one(inputs, args, compiled) -> list[dict]:
     x, w_gate, w_up, w_down = inputs
     M, D = x.shape
@@ -96,47 +83,58 @@ def bench_one(inputs, args, compiled) -> list[dict]:
     if graph:  # graphs capture fixed pointers: rotation would be meaningless there
         pick = lambda: x
     with torch.no_grad():
-        pre = x.float() @ w_gate.float().T
-        active = (pre > 0).sum(1, dtype=torch.int32)
+        active = (x.float() @ w_gate.float().T > 0).sum(1, dtype=torch.int32)
         mean_active = float(active.float().mean())
-        del pre
         pairs = float(active.sum())
         flops_sparse = 4.0 * D * pairs  # up dot + down axpy per active (row, unit)
-        bytes_sparse = 2.0 * D * x.element_size() * pairs  # w_up and w_down rows per pair, if not shared
         flops_dense = 6.0 * M * D * F
         dense_ms = timed(lambda: dense_ffn(pick(), w_gate, w_up, w_down), graph, args.rep)
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
-        gate_variant, gate_times = pick_gate_variant(x, w_gate, graph, args.rep)
-        gate_ms = gate_times[gate_variant]
-        variants = [("row", s) for s in (args.decode_splits if M <= DECODE_MAX_TOKENS else [None])]
-        variants += [(s, None) for s in args.schedules if s != "row"]
+        gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
+        if M <= DECODE_MAX_TOKENS:
+            variants = [dict(split=s) for s in args.decode_splits]
+        else:
+            variants = [dict(hot_units=k) for k in args.hot_units]
+        pre = x.float() @ w_gate.float().T
         rows = []
-        for schedule, split in variants:
-            kw = dict(schedule=schedule, split=split)
+        for kw in variants:
+            K = kw.get("hot_units", 0)
+            hot_gate_ms = hot_mm_ms = None
+            cold_pairs = pairs
+            if K:
+                hot = twell_gate_hot(x, w_gate, K)
+                cold_pairs = pairs - float((pre[:, hot.hot_idx] > 0).sum())
+                hot_gate_ms = timed(lambda K=K: twell_gate_hot(x, w_gate, K), graph, args.rep)
+                hot_mm_ms = timed(lambda hot=hot: _hot_part(x, w_up, w_down, hot), graph, args.rep)
+                del hot
             y, stats = twell_ffn_inference(x, w_gate, w_up, w_down, return_stats=True, **kw)
             err = row_errors(y, x, w_gate, w_up, w_down)
+            del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
-            sparse_ms = max(ms - gate_ms, 1e-6) if schedule == "row" else None
+            sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
+            name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
             rows.append(
                 dict(
                     tokens=M,
                     d_model=D,
                     d_ff=F,
-                    schedule=schedule if split is None else f"{schedule}/s{split}",
+                    variant=name,
+                    hot_units=K,
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
+                    hot_share=1.0 - cold_pairs / max(pairs, 1.0),
                     dense_ms=dense_ms,
                     compiled_ms=comp_ms,
                     twell_ms=ms,
                     gate_ms=gate_ms,
-                    gate_variant=gate_variant,
-                    gate_times=gate_times,
+                    hot_gate_ms=hot_gate_ms,
+                    hot_mm_ms=hot_mm_ms,
                     sparse_ms=sparse_ms,
                     speedup=dense_ms / ms,
                     speedup_vs_compiled=(comp_ms / ms) if comp_ms else None,
-                    sparse_tflops=(flops_sparse / (sparse_ms * 1e9)) if sparse_ms else None,
-                    sparse_gbs=(bytes_sparse / (sparse_ms * 1e6)) if sparse_ms else None,
+                    sparse_tflops=4.0 * D * cold_pairs / (sparse_ms * 1e9),
+                    sparse_gbs=2.0 * D * x.element_size() * cold_pairs / (sparse_ms * 1e6),
                     useful_tflops_total=flops_sparse / (ms * 1e9),
                     dense_tflops=flops_dense / (dense_ms * 1e9),
                     overflow_rows=int(stats.overflow_rows),
@@ -144,25 +142,25 @@ def bench_one(inputs, args, compiled) -> list[dict]:
                     correct=bool(err.max() < 1e-2),
                 )
             )
-        set_gate_variant()
+        del pre
         return rows
 
 
 def print_table(rows):
     head = (
-        f"{'tokens':>7} {'d_ff':>5} {'sched':>7} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
-        f"{'x dense':>7} {'gate':>7} {'gvar':>5} {'sparse':>7} {'sp TF/s':>7} {'sp GB/s':>7} {'ovf':>4} {'maxerr':>8} ok"
+        f"{'tokens':>7} {'d_ff':>5} {'variant':>7} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
+        f"{'x dense':>7} {'gate':>7} {'hgate':>7} {'hmm':>7} {'sparse':>7} {'hot%':>5} {'sp GB/s':>7} "
+        f"{'ovf':>4} {'maxerr':>8} ok"
     )
     print(head)
+    opt = lambda v, fmt: f"{v:{fmt}}" if v is not None else f"{'-':>{fmt.split('.')[0]}}"  # noqa: E731
     for r in rows:
-        comp = f"{r['compiled_ms']:8.3f}" if r["compiled_ms"] else f"{'-':>8}"
-        sp_ms = f"{r['sparse_ms']:7.3f}" if r["sparse_ms"] else f"{'-':>7}"
-        sp = f"{r['sparse_tflops']:7.1f}" if r["sparse_tflops"] else f"{'-':>7}"
-        gbs = f"{r['sparse_gbs']:7.0f}" if r["sparse_gbs"] else f"{'-':>7}"
         print(
-            f"{r['tokens']:>7} {r['d_ff']:>5} {r['schedule']:>7} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
-            f"{comp} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} {r['gate_variant'][:5]:>5} "
-            f"{sp_ms} {sp} {gbs} {r['overflow_rows']:>4} {r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else 'NO'}",
+            f"{r['tokens']:>7} {r['d_ff']:>5} {r['variant']:>7} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
+            f"{opt(r['compiled_ms'], '8.3f')} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} "
+            f"{opt(r['hot_gate_ms'], '7.3f')} {opt(r['hot_mm_ms'], '7.3f')} {r['sparse_ms']:7.3f} "
+            f"{100 * r['hot_share']:5.1f} {r['sparse_gbs']:7.0f} {r['overflow_rows']:>4} "
+            f"{r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else 'NO'}",
             flush=True,
         )
 
@@ -171,15 +169,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["inference", "train"], default="inference")
     p.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
-    p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 4096, 16384, 131072])
-    p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192])
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 4096, 16384, 131072])
+    p.add_argument("--d-ff", type=int, nargs="*", default=[5632])
     p.add_argument("--d-model", type=int, default=2048)
-    p.add_argument("--schedules", nargs="*", default=["row", "block"])
+    p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
     p.add_argument(
-        "--decode-splits", type=int, nargs="*", default=[8, 4, 1], help="consumer programs per row, M <= 64"
+        "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
     )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")
+    p.add_argument("--no-compile", action="store_true", help="--mode train: skip the compiled dense baseline")
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")
     p.add_argument("--out", default="bench_ffn.json")
     args = p.parse_args(argv)
@@ -194,7 +193,7 @@ def main(argv=None):
     else:
         if args.quick:
             args.tokens, args.d_ff, args.rep = [1, 64, 16384], [5632], 40
-        compiled = None if args.no_compile else torch.compile(dense_ffn)
+        compiled = torch.compile(dense_ffn) if args.compile else None
         rows = []
         if args.activations:
             blob = torch.load(args.activations, map_location="cuda")

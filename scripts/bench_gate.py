@@ -3,11 +3,12 @@
     python scripts/bench_gate.py --out bench_gate.json
 
 Per token count, times cuBLAS (x @ w_gate.T, and with relu) against our gate kernel per variant:
-loads (tma | ptr) x grid (tiles | persistent) x epilogue (counts: mainloop + a per-row count only;
-dense: relu stored dense like a plain GEMM; twell_old: the first compaction epilogue, one scan over the
-whole 128x256 tile; twell sN: the compaction in N-column mainloop + scan steps per format tile;
-two_kernel: dense relu pass + a compaction kernel). TF/s counts 2 M D F.
-Default shapes 131072 and 16384 (about 1.5 min on an H200); add --tokens 64 1 for the decode GEMV.
+epilogue (counts: mainloop + a per-row count only; dense: relu stored dense like a plain GEMM; twell sN:
+the fused compaction in N-column mainloop + scan steps per format tile; two_kernel: dense relu pass +
+the compaction kernel, the GPU default), plus the compaction kernel alone on a ready relu buffer (with
+its GB/s of h read) and the hot-split gate (two_kernel + top-K + hot columns
+to a dense [M, K] buffer). TF/s counts 2 M D F. Variants that lost in round 3 (twell_old, s256, s64,
+persistent, n128) are gone; git history has them. Default shapes 131072 and 16384 (< 1 min on an H200).
 """
 
 from __future__ import annotations
@@ -24,23 +25,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.gate import (  # noqa: E402
     _TUNED,
     _regime,
+    _tuned_compact,
     default_slots,
     default_tile_n,
+    launch_compact,
     launch_gate,
     set_gate_variant,
+    twell_gate_hot,
 )
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default)
     ("tma", False, "counts", None, None, None),
     ("tma", False, "dense", None, None, None),
-    ("tma", False, "twell_old", None, None, None),
-    ("tma", False, "twell", 256, "fused", None),
     ("tma", False, "twell", 128, "fused", None),
-    ("tma", False, "twell", 64, "fused", None),
-    ("tma", True, "twell", 128, "fused", None),
     ("tma", False, "twell", None, "two_kernel", None),
-    ("tma", False, "twell", 128, "fused", 128),
 ]
 
 
@@ -99,6 +98,21 @@ def bench_shape(M, D, F, rep, variants):
         best = _TUNED[_regime(M)].best_config
         row(name, ms, config=str(best), sub_n=sub_n, path=path, tile_n=tile_n, slots=slots)
     set_gate_variant()
+    if M <= 64:
+        return out
+    tile_n = default_tile_n(M, F)
+    counts, cols, vals, slots = buffers[tile_n]
+    h = torch.relu(x @ wg.T)
+    fn = lambda h=h: launch_compact(h, counts, cols, vals, tile_n, slots)  # noqa: E731
+    fn()
+    ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+    gbs = h.numel() * h.element_size() / (ms * 1e6)  # h read once (the entries written are ~0.5% of it)
+    row("compaction alone", ms, gbs=gbs, config=f"{gbs:.0f} GB/s {_tuned_compact.best_config}")
+    del h
+    for K in (256, 512):
+        twell_gate_hot(x, wg, K)
+        ms = triton.testing.do_bench(lambda K=K: twell_gate_hot(x, wg, K), rep=rep, return_mode="median")
+        row(f"two_kernel hot{K}", ms, hot_units=K)
     return out
 
 

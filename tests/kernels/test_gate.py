@@ -2,13 +2,14 @@ import pytest
 import torch
 
 from kernels import twell_gate
-from kernels.gate import set_gate_variant
+from kernels.gate import set_gate_variant, twell_gate_hot
 from kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
 
 
-def _check_format(x, w_gate, g):
+def _check_format(x, w_gate, g, exclude=None):
     """Counts are the true positives per (row, tile); the stored entries are the first min(count, S)
-    positive columns in order, with their gate values."""
+    positive columns in order, with their gate values. exclude: [F] bool columns that must not appear
+    (the hot units of twell_gate_hot)."""
     pre = x.double() @ w_gate.double().T
     M, F = pre.shape
     T = -(-F // g.tile_n)
@@ -16,6 +17,9 @@ def _check_format(x, w_gate, g):
     # Pre-activations within rounding of 0 may land on either side in another summation order.
     ambiguous = pre.abs() < 1e-3 * pre.abs().max()
     pos = pre > 0
+    if exclude is not None:
+        pos &= ~exclude
+        ambiguous &= ~exclude
     for m in range(M):
         for t in range(T):
             lo, hi = t * g.tile_n, min(F, (t + 1) * g.tile_n)
@@ -110,3 +114,20 @@ def test_gate_format_at_paper_size():
         pre = (x[:M].float() @ wg.float().T).view(M, -1, g.tile_n)
         ambiguous = (pre.abs() < 1e-2).sum(-1)
         assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())
+
+
+@pytest.mark.parametrize("M,F,K", [(67, 320, 64), (9, 192, 192)])
+def test_hot_gate_splits_columns_exactly(M, F, K, poisoned_empty):
+    """twell_gate_hot: g_hot holds relu(pre) of every hot column (zeros included); the TwELL part
+    holds the cold positives only, with counts of cold positives (overflow decided on cold ones)."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, _, _ = paper_like_ffn_inputs(M, 64, F, mean_active=F / 20, dtype=torch.float32, seed=seed)
+    make_rows_dense(x, [M // 3])
+    hot = twell_gate_hot(x, wg, K, slots=8, tile_n=64)
+    pre = x.double() @ wg.double().T
+    assert hot.hot_idx.shape == (K,) and bool((hot.hot_idx[1:] > hot.hot_idx[:-1]).all())
+    torch.testing.assert_close(hot.g_hot.double(), pre[:, hot.hot_idx].clamp(min=0), rtol=1e-4, atol=1e-5)
+    cold = torch.ones(F, dtype=torch.bool)
+    cold[hot.hot_idx] = False
+    assert bool((hot.hot_pos[hot.hot_idx] == torch.arange(K)).all()) and bool((hot.hot_pos[cold] == -1).all())
+    _check_format(x, wg, hot.gate, exclude=~cold)

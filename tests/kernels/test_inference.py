@@ -33,35 +33,51 @@ def _hard_inputs(M, D, F, dtype, seed):
     return x, wg, wu, wd
 
 
-@pytest.mark.parametrize("schedule,split", [("row", 1), ("row", 3), ("block", None)])
+@pytest.mark.parametrize("split,hot", [(1, 0), (3, 0), (1, 64)])
 @pytest.mark.parametrize(
     "M,D,F,dtype",
     [(67, 128, 320, torch.bfloat16), (7, 64, 192, torch.float32), (1, 64, 128, torch.bfloat16)],
 )
-def test_inference_matches_reference_on_hard_patterns(schedule, split, M, D, F, dtype, poisoned_empty):
+def test_inference_matches_reference_on_hard_patterns(split, hot, M, D, F, dtype, poisoned_empty):
+    """hot > 0: the hot-unit split (K units dense on tensor cores, the rest in TwELL); the hot set comes
+    from the batch itself, so the always-firing tile is usually hot and overflow is on cold units only."""
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, slots=8, split=split, return_stats=True)
+    y, stats = twell_ffn_inference(x, wg, wu, wd, slots=8, split=split, hot_units=hot, return_stats=True)
     assert y.dtype == dtype and y.shape == x.shape
     err, ref = _row_errors(y, x, wg, wu, wd)
     assert not torch.isnan(y).any()
     assert err.max() < ROW_TOL[dtype], (
         f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
     )
-    if schedule == "row":  # the dense row overflows its 8 slots in every tile and must be counted
+    if hot == 0:  # the dense row overflows its 8 slots in every tile and must be counted
         pre = x.double() @ wg.double().T
         tiles = pre.view(M, -1, 64) > 0
         assert int(stats.overflow_rows) == int((tiles.sum(-1) > 8).any(1).sum())
         assert int(stats.overflow_rows) >= 1
-    else:
+
+
+@pytest.mark.parametrize("hot", [64, 320])
+def test_hot_units_with_forced_overflow_and_all_hot(hot, poisoned_empty):
+    """Every hot column of a dense row is left to the dense part, its cold tiles still overflow (counted
+    on cold positives only); hot = F puts every unit on tensor cores and leaves no TwELL entry at all."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
+    make_rows_dense(x, [5, 66])
+    y, stats = twell_ffn_inference(x, wg, wu, wd, slots=4, hot_units=hot, return_stats=True)
+    err, _ = _row_errors(y, x, wg, wu, wd)
+    assert err.max() < ROW_TOL[torch.bfloat16], f"seed {seed}: rel err {float(err.max()):.3g}"
+    if hot == 320:
         assert int(stats.overflow_rows) == 0
+    else:
+        assert int(stats.overflow_rows) >= 2  # 256 cold units fire on the dense rows: 4 slots overflow
 
 
 def test_inference_all_zero_activity_gives_zero(poisoned_empty):
     x, wg, wu, wd = paper_like_ffn_inputs(5, 64, 128, mean_active=3.0, dtype=torch.float32, seed=0)
     make_rows_silent(x, slice(None))
-    for schedule in ("row", "block"):
-        y = twell_ffn_inference(x, wg, wu, wd, schedule=schedule)
+    for hot in (0, 64):
+        y = twell_ffn_inference(x, wg, wu, wd, hot_units=hot)
         assert torch.equal(y, torch.zeros_like(y))
 
 
@@ -76,11 +92,12 @@ def test_inference_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["row", "block"])
+@pytest.mark.parametrize("hot", [0, 512, None])
 @pytest.mark.parametrize("M", [1, 37, 16384])
-def test_inference_at_paper_size(schedule, M):
+def test_inference_at_paper_size(hot, M):
     x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule=schedule, return_stats=True)
+    make_rows_dense(x, [M // 2])  # every unit fires: hot and cold tiles overflow on this row
+    y, stats = twell_ffn_inference(x, wg, wu, wd, hot_units=hot, return_stats=True)
     ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
     err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
     assert err.max() < 1e-2

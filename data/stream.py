@@ -181,15 +181,7 @@ def build_val_stream(
     _check_layout(seq_len, micro_batch, rank, world_size, 1)
     if num_batches < 1:
         raise ValueError(f"num_batches={num_batches} must be >= 1")
-    if not (cfg.val_path or cfg.val_split or cfg.val_docs):
-        raise ValueError(
-            f"data config {cfg.name!r} has no held-out data: set data.val_path (files), data.val_split "
-            "(a hub or corpus split) or data.val_docs (hold out the first N documents)"
-        )
-    if cfg.source == "local" and cfg.val_split and not cfg.val_path:
-        raise ValueError("data.val_split needs a hub or token source; for local files set data.val_path")
-    source = open_source(cfg, "val", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
-    limit = cfg.val_docs if _held_out_head(cfg) else None
+    source, limit = _open_val_source(cfg, tokenizer, seed)
 
     def make_stream() -> PackedStream:
         return _stream(
@@ -209,6 +201,46 @@ def build_val_stream(
         )
 
     return ValidationBatches(make_stream, num_batches)
+
+
+def held_out_texts(
+    cfg, tokenizer, max_docs: int = 512, max_bytes: int = 4_000_000, seed: int = 0
+) -> list[str]:
+    """The first documents of the held-out data (the ones build_val_stream packs first), as text.
+
+    Stops after max_docs documents or once max_bytes UTF-8 bytes are read, whichever comes first
+    (always at least one document). Pre-tokenized corpora are decoded with `tokenizer`. Meant for
+    measuring bytes per token (the bits-per-byte denominator) once at the start of a run.
+    """
+    cfg = DataConfig.from_any(cfg)
+    if max_docs < 1:
+        raise ValueError(f"max_docs={max_docs} must be >= 1")
+    source, limit = _open_val_source(cfg, tokenizer, seed)
+    if limit is not None:
+        max_docs = min(max_docs, limit)
+    source.open(0, None)
+    texts, n_bytes = [], 0
+    while len(texts) < max_docs and (not texts or n_bytes < max_bytes):
+        doc = source.next_document()
+        if doc is None:
+            break
+        text = tokenizer.decode(doc.tolist()) if source.tokenized else doc
+        texts.append(text)
+        n_bytes += len(text.encode("utf-8"))
+    return texts
+
+
+def _open_val_source(cfg: DataConfig, tokenizer, seed: int):
+    """The held-out source and how many of its first documents are held out (None: all of them)."""
+    if not (cfg.val_path or cfg.val_split or cfg.val_docs):
+        raise ValueError(
+            f"data config {cfg.name!r} has no held-out data: set data.val_path (files), data.val_split "
+            "(a hub or corpus split) or data.val_docs (hold out the first N documents)"
+        )
+    if cfg.source == "local" and cfg.val_split and not cfg.val_path:
+        raise ValueError("data.val_split needs a hub or token source; for local files set data.val_path")
+    source = open_source(cfg, "val", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    return source, cfg.val_docs if _held_out_head(cfg) else None
 
 
 def _held_out_head(cfg: DataConfig) -> bool:

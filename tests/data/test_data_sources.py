@@ -4,7 +4,7 @@ and a pre-tokenized shard corpus; held-out data is separate from training data."
 import pytest
 import torch
 
-from data import DataConfig, build_train_stream, build_val_stream
+from data import DataConfig, build_train_stream, build_val_stream, held_out_texts
 
 
 def first_batches(cfg, tokenizer, n=8, **kw):
@@ -65,3 +65,22 @@ def test_val_docs_holds_out_the_head_of_the_stream(tokenizer, make_docs, write_d
     val = flat_rows(list(build_val_stream(cfg, tokenizer, 8, 1, rank=0, world_size=1, num_batches=40)))
     head = encode_joined(docs[:held_out], tokenizer)
     assert val == (head * 40)[: len(val)]  # a small held-out set wraps around, never reaching training docs
+
+
+def test_held_out_texts_are_the_validation_documents(tokenizer, make_docs, write_docs, token_corpus, rng):
+    train_docs, val_docs = make_docs(20), make_docs(8)
+    cfg = DataConfig(
+        source="local", path=write_docs(train_docs, name="train"), val_path=write_docs(val_docs, name="val")
+    )
+    assert held_out_texts(cfg, tokenizer) == val_docs
+    assert held_out_texts(cfg, tokenizer, max_docs=3) == val_docs[:3]
+    assert held_out_texts(cfg, tokenizer, max_bytes=1) == val_docs[:1]  # always at least one
+    held_out = rng.randint(2, 6)
+    head = DataConfig(
+        source="local", path=write_docs(train_docs, name="train"), val_docs=held_out, shuffle=False
+    )
+    assert held_out_texts(head, tokenizer) == train_docs[:held_out]  # never a training document
+    tokens = DataConfig(source="tokens", path=token_corpus(train_docs, val_docs=val_docs), val_split="val")
+    assert held_out_texts(tokens, tokenizer) == val_docs  # decoded back to the text
+    with pytest.raises(ValueError, match="no held-out data"):
+        held_out_texts(DataConfig(source="local", path=write_docs(train_docs, name="train")), tokenizer)

@@ -8,7 +8,9 @@ Every value is type-checked against the dataclass schemas in training/config.py;
 the run before anything is built, with a message naming it.
 """
 
+import contextlib
 import gc
+import importlib.util
 import logging
 import os
 import random
@@ -21,14 +23,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import build_train_stream, build_val_stream, load_tokenizer
+from data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer
+from eval import bytes_per_token, validation_loss
 from model import Transformer
 from training.checkpoint import CheckpointError
 from training.config import JobConfig, register_configs
-from training.distributed import destroy, init_distributed
-from training.trainer import Trainer
+from training.distributed import DistInfo, destroy, init_distributed
+from training.trainer import Evaluator, Trainer
 
 register_configs()
+log = logging.getLogger("train")
 
 
 def parse_config(cfg: DictConfig) -> JobConfig:
@@ -70,13 +74,71 @@ def build_trainer(job: JobConfig) -> Trainer:
     stream = build_train_stream(
         job.data, tokenizer, tcfg.seq_len, tcfg.micro_batch, info.rank, info.world_size, grad_accum, tcfg.seed
     )
-    val_batches = None
-    if job.eval.interval:
-        val_batches = build_val_stream(
+    return Trainer(job, model, stream, info, build_evaluators(job, tokenizer, info))
+
+
+def build_evaluators(job: JobConfig, tokenizer, info: DistInfo) -> list[Evaluator]:
+    """The loop's evaluations, from eval/'s public API (training/ never imports eval/).
+
+    validation: every rank evaluates its share of the held-out batches (validation_loss all-reduces
+    the sums); bytes per token for bits per byte is measured once, here, on the held-out text.
+    lm-eval: rank 0 alone, on the plain model (no DDP collectives inside lm-eval)."""
+    ecfg, tcfg = job.eval, job.train
+    evaluators = []
+    if ecfg.interval:
+        batches = build_val_stream(
             job.data, tokenizer, tcfg.seq_len, tcfg.micro_batch, info.rank, info.world_size,
-            job.eval.val_batches, tcfg.seed,
+            ecfg.val_batches, tcfg.seed,
         )  # fmt: skip
-    return Trainer(job, model, stream, info, val_batches)
+        ratio = bytes_per_token(tokenizer, held_out_texts(job.data, tokenizer, ecfg.bpb_docs, seed=tcfg.seed))
+        log.info("held-out text: %.3f UTF-8 bytes per token (the val_bpb denominator)", ratio)
+        evaluators.append(
+            Evaluator("validation", ecfg.interval, lambda model: validation_loss(model, batches, ratio))
+        )
+    if ecfg.lm_eval_tasks:
+        evaluators.append(lm_eval_evaluator(ecfg, tokenizer, info))
+    return evaluators
+
+
+def lm_eval_evaluator(ecfg, tokenizer, info: DistInfo) -> Evaluator:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError(
+            f"eval.lm_eval_tasks={list(ecfg.lm_eval_tasks)} needs lm-eval (pip install -e .[eval]); "
+            "install it or set eval.lm_eval_tasks=[]"
+        )
+    from eval import resolve_tasks, run_lm_eval  # lm_eval itself is imported on first use
+
+    # Bad task names and missing offline data stop the run now (on every rank), not at step N.
+    names, _ = resolve_tasks(list(ecfg.lm_eval_tasks))
+
+    def evaluate(model) -> dict:
+        with _rng_untouched(info.device):  # lm-eval seeds the global RNGs; training's stay as they were
+            results = run_lm_eval(
+                model, tokenizer, tasks=names, limit=ecfg.lm_eval_limit or None,
+                batch_size=ecfg.lm_eval_batch_size, mean_over=names,
+            )  # fmt: skip
+        log.info("lm-eval:\n%s", results["table"])
+        # eval/<task>/<metric> per task, and eval/mean/{acc,acc_norm} over the configured tasks (run_lm_eval's
+        # own eval/paper7_mean/* would misname the mean of a subset).
+        metrics = {k: v for k, v in results["metrics"].items() if not k.startswith("eval/paper7_mean/")}
+        metrics.update(
+            {f"eval/mean/{k}": results["mean"][k] for k in ("acc", "acc_norm") if k in results["mean"]}
+        )
+        return metrics
+
+    return Evaluator("lm_eval", ecfg.lm_eval_every, evaluate, all_ranks=False)
+
+
+@contextlib.contextmanager
+def _rng_untouched(device: torch.device):
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 def save_run_config(cfg: DictConfig, trainer: Trainer) -> None:

@@ -163,12 +163,34 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = 0  # optimizer steps between validation-loss runs; 0 = off
+    """Evaluation in the loop (docs/TRAINING.md): validation loss + bits per byte on every rank's
+    share of the held-out data, and optionally an lm-eval subset on rank 0."""
+
+    interval: int = 0  # optimizer steps between validation runs (val_loss, val_bpb); 0 = off
     val_batches: int = 8  # micro-batches per rank per validation run
+    bpb_docs: int = 512  # held-out documents read once at start to measure bytes per token
+    lm_eval_tasks: list[str] = field(default_factory=list)  # lm-eval tasks or presets; [] = off
+    lm_eval_limit: int = 50  # examples per task; 0 = all
+    lm_eval_batch_size: int = 16
+    lm_eval_interval: int = 0  # optimizer steps between lm-eval runs; 0 = eval.interval
 
     def __post_init__(self):
         _positive("eval.interval", self.interval, allow_zero=True)
         _positive("eval.val_batches", self.val_batches)
+        _positive("eval.bpb_docs", self.bpb_docs)
+        _positive("eval.lm_eval_limit", self.lm_eval_limit, allow_zero=True)
+        _positive("eval.lm_eval_batch_size", self.lm_eval_batch_size)
+        _positive("eval.lm_eval_interval", self.lm_eval_interval, allow_zero=True)
+        if self.lm_eval_tasks and not self.lm_eval_every:
+            raise ValueError(
+                f"eval.lm_eval_tasks={list(self.lm_eval_tasks)} would never run: eval.interval and "
+                "eval.lm_eval_interval are both 0; set one of them (steps between runs)"
+            )
+
+    @property
+    def lm_eval_every(self) -> int:
+        """Steps between lm-eval runs (0 = never)."""
+        return self.lm_eval_interval or self.interval if self.lm_eval_tasks else 0
 
 
 @dataclass

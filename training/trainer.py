@@ -2,7 +2,10 @@
 
 step = grad_accum micro-batches (forward under autocast, CE in fp32 + l1_coef * L1, backward; DDP
 all-reduces gradients only on the last micro-batch) -> clip -> AdamW -> dead-unit re-init ->
-metrics on the log cadence -> validation / checkpoint on theirs.
+metrics on the log cadence -> evaluations / checkpoint on theirs.
+
+Evaluations (validation loss / bits per byte, an lm-eval subset) are `Evaluator`s built by train.py
+from eval/'s public API and handed in: this package never imports eval/.
 
 Between log reads nothing waits for the GPU: losses and activity statistics accumulate in device
 tensors and are read (one sync) every logging.log_interval steps.
@@ -12,8 +15,8 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
 from training.config import JobConfig
-from training.distributed import DistInfo, all_reduce_, any_rank
+from training.distributed import DistInfo, all_reduce_, any_rank, barrier
 from training.loggers import RunLogger
 from training.metrics import mfu, peak_flops, peak_memory_gib
 from training.optim import build_optimizer, set_lr
@@ -53,6 +56,24 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         model.layers[index] = block
 
 
+@dataclass
+class Evaluator:
+    """A periodic evaluation of the plain (unwrapped) model: fn(model) -> {metric name: float}.
+
+    Runs after every `interval`-th optimizer step (0 = never) under torch.no_grad with the model in
+    eval mode (train mode is restored). all_ranks: every rank calls fn (it may hold collectives,
+    e.g. an all-reduce of validation sums); otherwise rank 0 alone calls it and the other ranks wait
+    at a barrier afterwards, so fn must not hold collectives (if it raises, the error is logged and
+    training goes on rather than leave the others waiting). The metrics of all evaluators due at a
+    step go into one record {"step": step, **metrics} (rank 0's metrics where only rank 0 ran).
+    """
+
+    name: str
+    interval: int
+    fn: Callable[[nn.Module], dict]
+    all_ranks: bool = True
+
+
 class Trainer:
     def __init__(
         self,
@@ -60,10 +81,10 @@ class Trainer:
         model: nn.Module,
         train_stream: Iterator[dict],
         info: DistInfo,
-        val_batches: Iterable[dict] | None = None,
+        evaluators: Sequence[Evaluator] = (),
     ):
         self.job, self.info, self.device = job, info, info.device
-        self.train_stream, self.val_batches = train_stream, val_batches
+        self.train_stream, self.evaluators = train_stream, list(evaluators)
         tcfg = job.train
         self.grad_accum = tcfg.grad_accum(info.world_size)
         self.precision = resolve_precision(tcfg.precision, self.device)
@@ -168,9 +189,9 @@ class Trainer:
                 self.train_step()
                 if self.step % self.job.logging.log_interval == 0 or self.step == self.total_steps:
                     records.append(self._log_window())
-                eval_interval = self.job.eval.interval
-                if self.val_batches is not None and eval_interval and self.step % eval_interval == 0:
-                    records.append(self._validate())
+                due = [e for e in self.evaluators if e.interval and self.step % e.interval == 0]
+                if due:
+                    records.append(self._evaluate(due))
                 interval = self.job.checkpoint.interval
                 if interval and self.step % interval == 0:
                     self.save_checkpoint()
@@ -275,23 +296,30 @@ class Trainer:
         self._reset_window()
         return record
 
-    @torch.no_grad()
-    def _validate(self) -> dict:
-        """Mean CE over the validation micro-batches (the same ones every time), all ranks."""
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.val_batches:
-            input_ids = batch["input_ids"].to(self.device)
-            labels = batch["labels"].to(self.device)
-            with self.autocast:
-                logits = self.model(input_ids, with_stats=False).logits
-            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            total += torch.stack([ce.double(), total.new_tensor(labels.numel())])
-        all_reduce_(total)
-        self.model.train()
-        record = {"step": self.step, "val_loss": (total[0] / total[1].clamp_min(1)).item()}
+    def _evaluate(self, evaluators: list[Evaluator]) -> dict:
+        """Run the evaluators due at this step on the plain model (never the DDP wrapper: no
+        gradient-sync hooks, and rank-0-only work holds no collective); one record for all."""
+        record = {"step": self.step}
+        for evaluator in evaluators:
+            if evaluator.all_ranks or self.info.is_main:
+                was_training = self.model.training
+                self.model.eval()
+                try:
+                    with torch.no_grad():
+                        record.update(evaluator.fn(self.model))
+                except Exception:
+                    if evaluator.all_ranks:
+                        raise  # every rank fails alike: nobody is left waiting
+                    # Raising here would leave the other ranks at the barrier forever.
+                    log.exception(
+                        "evaluation %r failed at step %d; training goes on", evaluator.name, self.step
+                    )
+                finally:
+                    self.model.train(was_training)
+            if not evaluator.all_ranks:
+                barrier()  # the other ranks wait here while rank 0 evaluates
         self.logger.log(record)
-        self._window_t0 = time.perf_counter()
+        self._window_t0 = time.perf_counter()  # evaluation is not training time
         return record
 
     # ------------------------------------------------------------------ misc

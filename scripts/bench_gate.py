@@ -1,13 +1,15 @@
 """Gate GEMM micro-benchmark: where does twell_gate's time go (mainloop or compaction epilogue)?
 
     python scripts/bench_gate.py --out bench_gate.json
+    python scripts/bench_gate.py --quick --out bench_gate.json   # no counts / fused s128, hot 512 only, rep 25
 
 Per token count, times cuBLAS (x @ w_gate.T, and with relu) against our gate kernel per variant:
 epilogue (counts: mainloop + a per-row count only; dense: relu stored dense like a plain GEMM; twell sN:
 the fused compaction in N-column mainloop + scan steps per format tile; two_kernel: dense relu pass +
-the compaction kernel, the GPU default), plus the compaction kernel alone on a ready relu buffer (with
-its GB/s of h read) and the hot-split gate (two_kernel + top-K + hot columns
-to a dense [M, K] buffer). TF/s counts 2 M D F. Variants that lost in round 3 (twell_old, s256, s64,
+the compaction kernel: "bits" = the dense_bits epilogue (relu + positive bitmask) and the set-bit
+compaction, the GPU default; "scan" = the round-4 full-width scan), plus each compaction kernel alone on
+a ready relu buffer (with the GB/s of h a full read would be) and the hot-split gate (two_kernel + top-K
++ hot columns to a dense [M, K] buffer) with either compaction. TF/s counts 2 M D F. Variants that lost in round 3 (twell_old, s256, s64,
 persistent, n128) are gone; git history has them. Default shapes 131072 and 16384 (< 1 min on an H200).
 """
 
@@ -24,26 +26,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.gate import (  # noqa: E402
     _TUNED,
+    _launch_gemm,
     _regime,
     _tuned_compact,
+    _tuned_compact_bits,
     default_slots,
     default_tile_n,
     launch_compact,
+    launch_compact_bits,
     launch_gate,
     set_gate_variant,
     twell_gate_hot,
 )
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
-VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default)
-    ("tma", False, "counts", None, None, None),
-    ("tma", False, "dense", None, None, None),
-    ("tma", False, "twell", 128, "fused", None),
-    ("tma", False, "twell", None, "two_kernel", None),
+VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default, compact)
+    ("tma", False, "counts", None, None, None, None),
+    ("tma", False, "dense", None, None, None, None),
+    ("tma", False, "dense_bits", None, None, None, None),
+    ("tma", False, "twell", 128, "fused", None, None),
+    ("tma", False, "twell", None, "two_kernel", None, "scan"),
+    ("tma", False, "twell", None, "two_kernel", None, "bits"),
 ]
+QUICK_VARIANTS = [v for v in VARIANTS if v[4] != "fused" and v[2] != "counts"]
 
 
-def bench_shape(M, D, F, rep, variants):
+def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
     import triton
 
     x, wg, _, _ = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
@@ -64,7 +72,7 @@ def bench_shape(M, D, F, rep, variants):
         triton.testing.do_bench(lambda: torch.relu(x @ wg.T), rep=rep, return_mode="median"),
     )
     buffers = {}
-    for loads, persistent, epi, sub_n, path, tn in variants:
+    for loads, persistent, epi, sub_n, path, tn, compact in variants:
         tile_n = tn or default_tile_n(M, F)
         if M <= 64 and (persistent or epi != "twell" or tn):
             continue
@@ -80,12 +88,16 @@ def bench_shape(M, D, F, rep, variants):
                 slots,
             )
         slots = buffers[tile_n][3]
-        dense = torch.empty((M, F), dtype=x.dtype, device="cuda") if epi == "dense" else None
-        set_gate_variant(loads=loads, persistent=persistent, sub_n=sub_n, path=path)
-        fn = lambda e=epi, d=dense, t=tile_n, b=buffers[tile_n]: launch_gate(  # noqa: E731
+        dense = torch.empty((M, F), dtype=x.dtype, device="cuda") if epi.startswith("dense") else None
+        b = buffers[tile_n]
+        if epi == "dense_bits":  # the bitmask goes where the counts would: [M, F // 32] int32
+            b = (torch.empty((M, F // 32), dtype=torch.int32, device="cuda"),) + b[1:]
+        set_gate_variant(loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact)
+        fn = lambda e=epi, d=dense, t=tile_n, b=b: launch_gate(  # noqa: E731
             x, wg, b[0], b[1], b[2], t, b[3], epilogue=e, dense=d
         )
         name = f"{loads}{'+pers' if persistent else ''} {epi if path != 'two_kernel' else 'two_kernel'}"
+        name += f" {compact}" if compact else ""
         name += f" n{tile_n}" + (f" s{min(sub_n, tile_n)}" if epi == "twell" and path == "fused" else "")
         try:
             fn()
@@ -94,7 +106,7 @@ def bench_shape(M, D, F, rep, variants):
             print(f"{M:>7} {F:>5} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         finally:
-            del dense
+            del dense, b
         best = _TUNED[_regime(M)].best_config
         row(name, ms, config=str(best), sub_n=sub_n, path=path, tile_n=tile_n, slots=slots)
     set_gate_variant()
@@ -102,17 +114,38 @@ def bench_shape(M, D, F, rep, variants):
         return out
     tile_n = default_tile_n(M, F)
     counts, cols, vals, slots = buffers[tile_n]
-    h = torch.relu(x @ wg.T)
-    fn = lambda h=h: launch_compact(h, counts, cols, vals, tile_n, slots)  # noqa: E731
-    fn()
-    ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
-    gbs = h.numel() * h.element_size() / (ms * 1e6)  # h read once (the entries written are ~0.5% of it)
-    row("compaction alone", ms, gbs=gbs, config=f"{gbs:.0f} GB/s {_tuned_compact.best_config}")
-    del h
-    for K in (256, 512):
-        twell_gate_hot(x, wg, K)
-        ms = triton.testing.do_bench(lambda K=K: twell_gate_hot(x, wg, K), rep=rep, return_mode="median")
-        row(f"two_kernel hot{K}", ms, hot_units=K)
+    h = torch.empty((M, F), dtype=x.dtype, device="cuda")
+    bits = torch.empty((M, F // 32), dtype=torch.int32, device="cuda")
+    try:
+        _launch_gemm(x, wg, bits, cols, vals, tile_n, slots, "dense_bits", h)  # h = relu(x w^T) + bitmask
+    except Exception as e:  # keep the scan numbers if the bitmask epilogue does not compile here
+        print(f"dense_bits FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        h.copy_(torch.relu(x @ wg.T))
+        bits = None
+    gbs_full = h.numel() * h.element_size() / 1e6  # MB of h a full read is (the entries are ~0.5% of it)
+    runs = {
+        "scan": (lambda: launch_compact(h, counts, cols, vals, tile_n, slots), _tuned_compact),
+        "bits": (
+            lambda: launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots),
+            _tuned_compact_bits,
+        ),
+    }
+    for kind, (fn, tuned) in runs.items():
+        if kind == "bits" and bits is None:
+            continue
+        fn()
+        ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+        gbs = gbs_full / ms
+        row(f"compaction {kind} alone", ms, gbs=gbs, config=f"{gbs:.0f} GB/s(h) {tuned.best_config}")
+    runs.clear()
+    h = bits = None  # free before the hot gates
+    for K in hot_units:
+        for compact in ("scan", "bits"):
+            set_gate_variant(compact=compact)
+            twell_gate_hot(x, wg, K)
+            ms = triton.testing.do_bench(lambda K=K: twell_gate_hot(x, wg, K), rep=rep, return_mode="median")
+            row(f"two_kernel {compact} hot{K}", ms, hot_units=K, compact=compact)
+    set_gate_variant()
     return out
 
 
@@ -122,13 +155,17 @@ def main(argv=None):
     p.add_argument("--d-ff", type=int, default=5632)
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--rep", type=int, default=40, help="ms of timing per measurement")
+    p.add_argument("--quick", action="store_true", help="no counts / fused s128, hot 512 only, rep 25")
     p.add_argument("--out", default="bench_gate.json")
     args = p.parse_args(argv)
+    variants, hot_units = VARIANTS, (256, 512)
+    if args.quick:
+        variants, hot_units, args.rep = QUICK_VARIANTS, (512,), 25
     if not torch.cuda.is_available():
         sys.exit("bench_gate.py needs a CUDA GPU")
     rows = []
     for M in args.tokens:
-        rows += bench_shape(M, args.d_model, args.d_ff, args.rep, VARIANTS)
+        rows += bench_shape(M, args.d_model, args.d_ff, args.rep, variants, hot_units)
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -55,13 +55,17 @@ def test_gate_format_is_exact(M, D, F, dtype, loads, poisoned_empty):
 
 
 @pytest.mark.parametrize("M,F,dtype", [(67, 320, torch.bfloat16), (65, 192, torch.float32)])
-@pytest.mark.parametrize("path,sub_n", [("fused", 64), ("fused", 16), ("two_kernel", None)])
-def test_gate_paths_give_the_same_format(M, F, dtype, path, sub_n, poisoned_empty):
-    """Every compaction variant (one step per tile, 4 steps, dense pass + compaction kernel) is exact."""
+@pytest.mark.parametrize(
+    "path,sub_n,compact",
+    [("fused", 64, None), ("fused", 16, None), ("two_kernel", None, "bits"), ("two_kernel", None, "scan")],
+)
+def test_gate_paths_give_the_same_format(M, F, dtype, path, sub_n, compact, poisoned_empty):
+    """Every compaction variant (one step per tile, 4 steps, dense pass + bitmask or scanning
+    compaction kernel) is exact."""
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, _, _ = paper_like_ffn_inputs(M, 64, F, mean_active=F / 20, dtype=dtype, seed=seed)
     make_rows_dense(x, [M // 3])
-    set_gate_variant(path=path, sub_n=sub_n)
+    set_gate_variant(path=path, sub_n=sub_n, compact=compact)
     try:
         _check_format(x, wg, twell_gate(x, wg))
     finally:
@@ -116,14 +120,19 @@ def test_gate_format_at_paper_size():
         assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())
 
 
+@pytest.mark.parametrize("compact", ["bits", "scan"])
 @pytest.mark.parametrize("M,F,K", [(67, 320, 64), (9, 192, 192)])
-def test_hot_gate_splits_columns_exactly(M, F, K, poisoned_empty):
+def test_hot_gate_splits_columns_exactly(M, F, K, compact, poisoned_empty):
     """twell_gate_hot: g_hot holds relu(pre) of every hot column (zeros included); the TwELL part
     holds the cold positives only, with counts of cold positives (overflow decided on cold ones)."""
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, _, _ = paper_like_ffn_inputs(M, 64, F, mean_active=F / 20, dtype=torch.float32, seed=seed)
     make_rows_dense(x, [M // 3])
-    hot = twell_gate_hot(x, wg, K, slots=8, tile_n=64)
+    set_gate_variant(compact=compact)
+    try:
+        hot = twell_gate_hot(x, wg, K, slots=8, tile_n=64)
+    finally:
+        set_gate_variant()
     pre = x.double() @ wg.double().T
     assert hot.hot_idx.shape == (K,) and bool((hot.hot_idx[1:] > hot.hot_idx[:-1]).all())
     torch.testing.assert_close(hot.g_hot.double(), pre[:, hot.hot_idx].clamp(min=0), rtol=1e-4, atol=1e-5)

@@ -44,8 +44,9 @@ from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampl
 #             gives their dW rows and their share of dx; the column (fused3) and dx row passes gather
 #             only the other entries. Coefficients of those K columns are rounded to x's dtype before
 #             the GEMM, exactly as the dense FFN does; fp32 inputs stay fp32.
-#   "auto" (default): the measured best per size (docs/results/bench_train_round2.txt): fused3 below
-#             32k tokens, split from 32k.
+#   "auto" (default): the measured best per size (docs/results/bench_train_round3.txt, H200: split
+#             6.95 vs fused3 7.35 ms at 16k tokens, 17.17 vs 17.86 at 64k): split from 16k tokens,
+#             fused3 below (not measured there; fewer launches).
 BACKWARD_VARIANTS = ("fused3", "split", "csc_dh", "hybrid")
 HOT_UNITS = 256  # columns the hybrid backward computes densely (capped at F)
 # Forward: "row" = u and y fused in one program per row loading whole weight rows (train_rowfwd.py);
@@ -132,7 +133,7 @@ def _ffn_train_bwd(
     h = gate32 * up
     variant = _settings["backward"]
     if variant == "auto":
-        variant = "fused3" if M < 32768 else "split"
+        variant = "fused3" if M < 16384 else "split"
     if variant == "hybrid":
         dx, dw_gate, dw_up, dw_down = _hybrid_backward(
             dy, l1_scale, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate32, up

@@ -43,10 +43,12 @@ def _twell_to_csr_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     mask_t = offs_t < T
     counts = tl.load(counts_ptr + row * T + offs_t, mask=mask_t, other=0)
-    fits = tl.max(counts, axis=0) <= SLOTS  # an overflow row is left to the dense path
+    # An overflow row is left to the dense path. Broadcast before comparing: a scalar bool combined
+    # with a block mask is not a bool mask under newer Triton interpreters.
+    fits = (tl.zeros([BLOCK_T], dtype=tl.int32) + tl.max(counts, axis=0)) <= SLOTS
     tile_start = tl.cumsum(counts, axis=0) - counts  # exclusive prefix: where each tile's run begins
     base = tl.load(row_ptr_ptr + row)
-    keep = mask_t[:, None] & (offs_s[None, :] < counts[:, None]) & fits
+    keep = mask_t[:, None] & (offs_s[None, :] < counts[:, None]) & fits[:, None]
     src = (row * T + offs_t[:, None]).to(tl.int64) * SLOTS + offs_s[None, :]
     dst = base + tile_start[:, None] + offs_s[None, :]
     col = tl.load(tw_cols_ptr + src, mask=keep, other=0)

@@ -184,10 +184,12 @@ def _segment_axpy_kernel(
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
     part_offs = (part_row + tl.zeros([BLOCK_D], dtype=tl.int64)) * stride_o + offs_d
-    # Every mask a bool tensor (newer interpreters reject integer masks).
-    ok = (valid != 0) & mask_d
-    direct = ok & (n_items == 1)
-    partial = ok & (n_items > 1)
+    # Every mask a bool block: newer interpreters reject integer masks and a scalar bool combined with
+    # a block, so the scalars are broadcast before they are compared.
+    zeros_d = tl.zeros([BLOCK_D], dtype=tl.int32)
+    ok = ((zeros_d + valid) != 0) & mask_d
+    direct = ok & ((zeros_d + n_items) == 1)
+    partial = ok & ((zeros_d + n_items) > 1)
     _store_sum(tl.sum(acc0, axis=0), o0_ptr, p0_ptr, out_offs, part_offs, direct, partial)
     if MODE == 2 or MODE == 3:
         _store_sum(tl.sum(acc1, axis=0), o1_ptr, p1_ptr, out_offs, part_offs, direct, partial)
@@ -219,7 +221,7 @@ def _sum_partials_kernel(
     tl.store(
         o_ptr + seg.to(tl.int64) * stride_o + offs_d,
         acc.to(o_ptr.dtype.element_ty),
-        mask=mask_d & (n_items > 1),
+        mask=mask_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + n_items) > 1),  # broadcast: see above
     )
 
 

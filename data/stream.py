@@ -42,7 +42,6 @@ class PackedStream:
         world_size: int,
         grad_accum: int,
         tokenize_batch: int,
-        layout: dict[str, Any],
     ) -> None:
         self.reader = reader
         self.encode = encode  # list of documents -> list of token sequences
@@ -51,7 +50,18 @@ class PackedStream:
         self.num_lanes = world_size * grad_accum
         self.first_lane = rank * grad_accum
         self.tokenize_batch = tokenize_batch
-        self.layout = layout
+        # what a saved state is only valid for (checked by load_state_dict)
+        self.layout = {
+            "num_lanes": self.num_lanes,
+            "rank": rank,
+            "grad_accum": grad_accum,
+            "seed": reader.seed,
+            "shuffle": reader.shuffle,
+            "block_size": reader.block_size,
+            "eos_id": eos_id,
+            "add_eos": add_eos,
+            "held_out_head": reader.skip_docs,
+        }
         self._buffers = [LaneBuffer(eos_id, add_eos) for _ in range(grad_accum)]
         self._next_lane = 0  # index into this rank's lanes: the micro-step within the optimizer step
         self._docs_seen = 0
@@ -275,17 +285,6 @@ def _stream(
         limit_docs=limit_docs,
         max_epochs=max_epochs,
     )
-    layout = {
-        "num_lanes": num_lanes,
-        "rank": rank,
-        "grad_accum": grad_accum,
-        "seed": seed,
-        "shuffle": shuffle,
-        "block_size": cfg.shuffle_buffer,
-        "eos_id": tokenizer.eos_token_id,
-        "add_eos": cfg.add_eos,
-        "held_out_head": skip_docs,
-    }
     encode = _token_passthrough if source.tokenized else _text_encoder(tokenizer)
     return PackedStream(
         reader,
@@ -298,7 +297,6 @@ def _stream(
         world_size=world_size,
         grad_accum=grad_accum,
         tokenize_batch=cfg.tokenize_batch,
-        layout=layout,
     )
 
 

@@ -23,13 +23,15 @@ class FFNStats(NamedTuple):
     overflow_rows: torch.Tensor  # int32 0-dim: rows that took a kernel's overflow path (0 when dense)
 
 
-def _stats_from_row_active(row_active: torch.Tensor, unit_fires: torch.Tensor, overflow_rows) -> FFNStats:
+def _stats_from_row_active(
+    row_active: torch.Tensor, unit_fires: torch.Tensor, overflow_rows: torch.Tensor
+) -> FFNStats:
     row_active = row_active.float()
     return FFNStats(
         active_mean=row_active.mean(),
         active_max=row_active.max(),
         unit_fires=unit_fires.to(torch.int32),
-        overflow_rows=torch.as_tensor(overflow_rows, dtype=torch.int32, device=row_active.device),
+        overflow_rows=overflow_rows.to(torch.int32),
     )
 
 
@@ -110,8 +112,11 @@ class ReLUGatedFFN(nn.Module):
         l1 = h.abs().sum(dim=-1, dtype=torch.float32).mean()
         with torch.no_grad():
             active = (gate > 0).reshape(-1, self.d_ff)
+            # zeros() fills on the device; a Python 0 would be copied host-to-device (a stream sync).
             stats = _stats_from_row_active(
-                active.sum(dim=-1, dtype=torch.int32), active.sum(dim=0, dtype=torch.int32), 0
+                active.sum(dim=-1, dtype=torch.int32),
+                active.sum(dim=0, dtype=torch.int32),
+                torch.zeros((), dtype=torch.int32, device=gate.device),
             )
         return y, l1, stats
 

@@ -29,13 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, _hot_part  # noqa: E402
+from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
 
 
-def dense_ffn(x, w_gate, w_up, w_down):
-    return (torch.relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down
+def write_results(path: str, rows: list[dict]) -> None:
+    """The JSON every bench script writes: the GPU's name and one dict per measurement."""
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
 
 
 def timed(fn, use_graph: bool, rep_ms: int) -> float:
@@ -211,9 +215,7 @@ def main(argv=None):
                     rows += new
                     del inputs
                     torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

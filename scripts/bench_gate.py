@@ -16,7 +16,6 @@ persistent, n128) are gone; git history has them. Default shapes 131072 and 1638
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,6 +38,7 @@ from kernels.gate import (  # noqa: E402
     twell_gate_hot,
 )
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
+from scripts.bench_ffn import write_results  # noqa: E402
 
 VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default, compact)
     ("tma", False, "counts", None, None, None, None),
@@ -167,9 +167,7 @@ def main(argv=None):
     for M in args.tokens:
         rows += bench_shape(M, args.d_model, args.d_ff, args.rep, variants, hot_units)
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -91,10 +91,6 @@ class TrainConfig:
                 f"pick a global batch of k * {rows} tokens"
             )
 
-    @property
-    def global_batch_rows(self) -> int:
-        return self.global_batch_tokens // self.seq_len
-
     def grad_accum(self, world_size: int) -> int:
         """Micro-steps per optimizer step on each rank; the global batch must split evenly."""
         per_step = self.micro_batch * self.seq_len * world_size

@@ -122,7 +122,8 @@ class ReLUGatedFFN(nn.Module):
 
     def _forward_twell(self, x: torch.Tensor, with_stats: bool):
         kernels = _import_kernels()
-        x2d = x.reshape(-1, self.d_model)
+        # The kernels take only dense row-major x; contiguous() is a no-op when x already is.
+        x2d = x.reshape(-1, self.d_model).contiguous()
         weights = (self.w_gate, self.w_up, self.w_down)
         # Custom kernels do not take part in autocast: cast to the autocast dtype by hand (the casts
         # are differentiable, so gradients still reach the fp32 master weights).

@@ -31,6 +31,7 @@ class DocumentReader:
         skip_docs: int = 0,
         limit_docs: int | None = None,
         max_epochs: int | None = None,
+        epoch_log_level: int = logging.INFO,
     ) -> None:
         self.source = source
         self.keep = keep
@@ -40,6 +41,7 @@ class DocumentReader:
         self.skip_docs = skip_docs  # the held-out head of each epoch
         self.limit_docs = limit_docs  # validation: only the first limit_docs documents
         self.max_epochs = max_epochs
+        self.epoch_log_level = epoch_log_level  # validation wraps a small held-out set on purpose
         self.epoch = 0
         self._block_index = 0
         self._block_start: dict[str, Any] | None = None  # None: the start of the epoch
@@ -108,7 +110,8 @@ class DocumentReader:
     def _finish_epoch(self) -> None:
         if self._block_index == 0:
             raise ValueError(f"{self.source.description} yielded no documents in epoch {self.epoch}")
-        log.info(
+        log.log(
+            self.epoch_log_level,
             "data: finished epoch %d of %s; starting epoch %d",
             self.epoch,
             self.source.description,

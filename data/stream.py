@@ -208,6 +208,8 @@ def build_val_stream(
             skip_docs=0,
             limit_docs=limit,
             max_epochs=None,
+            # wrapping around the held-out set (and reading ahead across its end) is expected: not INFO
+            epoch_log_level=logging.DEBUG,
         )
 
     return ValidationBatches(make_stream, num_batches)
@@ -272,6 +274,7 @@ def _stream(
     skip_docs,
     limit_docs,
     max_epochs,
+    epoch_log_level=logging.INFO,
 ) -> PackedStream:
     num_lanes = world_size * grad_accum
     first, last = rank * grad_accum, rank * grad_accum + grad_accum
@@ -284,6 +287,7 @@ def _stream(
         skip_docs=skip_docs,
         limit_docs=limit_docs,
         max_epochs=max_epochs,
+        epoch_log_level=epoch_log_level,
     )
     encode = _token_passthrough if source.tokenized else _text_encoder(tokenizer)
     return PackedStream(

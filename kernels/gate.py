@@ -739,6 +739,16 @@ def _format(M: int, F: int, slots: int | None, tile_n: int | None) -> tuple[int,
     return tile_n, slots
 
 
+def _format_buffers(x: torch.Tensor, F: int, tile_n: int, slots: int):
+    """Uninitialised (counts, cols, vals) of a TwELL gate of x's rows (the kernels write every entry read)."""
+    M, T = x.shape[0], cdiv(F, tile_n)
+    col_dtype = torch.int16 if F <= torch.iinfo(torch.int16).max else torch.int32
+    counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
+    cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
+    vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
+    return counts, cols, vals
+
+
 def twell_gate(
     x: torch.Tensor, w_gate: torch.Tensor, *, slots: int | None = None, tile_n: int | None = None
 ) -> TwELLGate:
@@ -748,11 +758,7 @@ def twell_gate(
     M, D = x.shape
     F = w_gate.shape[0]
     tile_n, slots = _format(M, F, slots, tile_n)
-    T = cdiv(F, tile_n)
-    col_dtype = torch.int16 if F <= torch.iinfo(torch.int16).max else torch.int32
-    counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
-    cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
-    vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
+    counts, cols, vals = _format_buffers(x, F, tile_n, slots)
     launch_gate(x, w_gate, counts, cols, vals, tile_n, slots)
     return TwELLGate(counts, cols, vals, tile_n, slots)
 
@@ -788,11 +794,7 @@ def twell_gate_hot(
     if not 1 <= K <= F:
         raise ValueError(f"hot_units={K} must be in [1, d_ff={F}]")
     tile_n, slots = _format(M, F, slots, tile_n)
-    T = cdiv(F, tile_n)
-    col_dtype = torch.int16 if F <= torch.iinfo(torch.int16).max else torch.int32
-    counts = torch.empty((M, T), dtype=torch.int32, device=x.device)
-    cols = torch.empty((M, T, slots), dtype=col_dtype, device=x.device)
-    vals = torch.empty((M, T, slots), dtype=x.dtype, device=x.device)
+    counts, cols, vals = _format_buffers(x, F, tile_n, slots)
     h = torch.empty((M, F), dtype=x.dtype, device=x.device)
     bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots)
     fires = (h[:: max(1, M // HOT_SAMPLE_ROWS)] > 0).sum(0, dtype=torch.int32)

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.token_shards import ShardWriter, write_manifest  # noqa: E402
+from data.token_shards import ShardWriter, token_dtype, write_manifest  # noqa: E402
 from data.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 PACKAGES = ["dict-gcide", "dict-wn", "dict-foldoc", "dict-jargon", "dict-devil", "perl-doc", "git-doc",
@@ -205,7 +205,8 @@ def main() -> None:
     tokenizer = load_tokenizer(tokenizer_path)
     backend = tokenizer.backend_tokenizer
     meta = {"vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id}
-    budget_tokens = int(args.max_mib * 2**20) // (2 if len(tokenizer) <= 2**16 else 4)
+    dtype = token_dtype(len(tokenizer))  # the shards' dtype (ShardWriter picks it the same way)
+    budget_tokens = int(args.max_mib * 2**20) // dtype.itemsize
     splits, total = {}, 0
     for split, texts in (("val", val), ("train", train)):
         writer = ShardWriter(tmp, split, shard_tokens=args.shard_tokens, **meta)
@@ -224,7 +225,7 @@ def main() -> None:
         tmp,
         {
             "tokenizer": tokenizer_name,
-            "dtype": "uint16" if len(tokenizer) <= 2**16 else "uint32",
+            "dtype": dtype.name,
             "splits": splits,
             "sources": {name: len(d) for name, d in sources.items()},
             "built_by": "scripts/build_corpus.py",

@@ -39,16 +39,10 @@ from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampl
 #   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
 #   "csc_dh": dh inside the dy column pass (w_down[j] read once per column slice, not once per
 #             entry), then an x pass for dW_gate/dW_up: one gathered row per entry fewer.
-#   "hybrid": the HOT_UNITS most active units (paper-like skew: the top 256 of 5632 hold ~53% of the
-#             entries) go dense: their coefficients are scattered into [M, K] matrices and cuBLAS
-#             gives their dW rows and their share of dx; the column (fused3) and dx row passes gather
-#             only the other entries. Coefficients of those K columns are rounded to x's dtype before
-#             the GEMM, exactly as the dense FFN does; fp32 inputs stay fp32.
 #   "auto" (default): the measured best per size (docs/results/bench_train_round3.txt, H200: split
 #             6.95 vs fused3 7.35 ms at 16k tokens, 17.17 vs 17.86 at 64k): split from 16k tokens,
 #             fused3 below (not measured there; fewer launches).
-BACKWARD_VARIANTS = ("fused3", "split", "csc_dh", "hybrid")
-HOT_UNITS = 256  # columns the hybrid backward computes densely (capped at F)
+BACKWARD_VARIANTS = ("fused3", "split", "csc_dh")
 # Forward: "row" = u and y fused in one program per row loading whole weight rows (train_rowfwd.py);
 # "split" = a sampled-dot kernel for u, then a row-segment kernel for y over D slices.
 FORWARD_VARIANTS = ("row", "split")
@@ -134,12 +128,6 @@ def _ffn_train_bwd(
     variant = _settings["backward"]
     if variant == "auto":
         variant = "fused3" if M < 16384 else "split"
-    if variant == "hybrid":
-        dx, dw_gate, dw_up, dw_down = _hybrid_backward(
-            dy, l1_scale, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate32, up
-        )
-        _overflow_backward(dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, dx, dw_gate, dw_up, dw_down)
-        return dx, dw_gate, dw_up, dw_down
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     order = torch.argsort(cols, stable=True)
     # Column starts by binary search in the sorted columns: no host sync (bincount has one), no atomics.
@@ -169,54 +157,6 @@ def _ffn_train_bwd(
     segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2, split=False)
 
     _overflow_backward(dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, dx, dw_gate, dw_up, dw_down)
-    return dx, dw_gate, dw_up, dw_down
-
-
-def _hybrid_backward(dy, l1_scale, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate32, up):
-    """The "hybrid" backward: hot units dense (cuBLAS), the rest by the sparse passes (see the variant list)."""
-    (M, D), F = x.shape, w_gate.shape[0]
-    dev, i32 = x.device, torch.int32
-    h = gate32 * up
-    dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
-    d_gate, d_up = dh * up, dh * gate32
-    # Hot units: top-K of the fire counts (no host sync; a unit with no entry is harmless: zero rows).
-    K = min(HOT_UNITS, F)
-    fires = torch.zeros(F, device=dev, dtype=i32).index_add_(0, cols, torch.ones_like(cols))
-    hot = torch.topk(fires, K, sorted=False).indices
-    rank = torch.full((F,), K, device=dev, dtype=torch.int64)
-    rank[hot] = torch.arange(K, device=dev)
-    ent_rank = rank[cols.long()]  # K for a cold entry
-    is_hot = ent_rank < K
-    # Dense [M, K + 1] coefficients of the hot entries (column K: a sink for the cold entries, discarded).
-    # Each (row, unit) appears once, so the hot positions are written by one entry each: deterministic.
-    flat = rows.long() * (K + 1) + ent_rank
-    dense = torch.zeros((3, M * (K + 1)), device=dev, dtype=torch.float32)
-    dense[:, flat] = torch.stack([d_gate, d_up, h])
-    dense = dense.view(3, M, K + 1)[:, :, :K].to(x.dtype)
-    a_gate, a_up, a_h = dense.unbind(0)
-    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-
-    # Cold entries: CSC with the hot units' segments empty (their entries sorted past every segment).
-    key = cols + torch.where(is_hot, F, 0).to(i32)
-    order = torch.argsort(key, stable=True)
-    col_ptr = torch.searchsorted(key[order], torch.arange(F + 1, device=dev, dtype=i32)).to(i32)
-    coefs = (d_gate[order], d_up[order], h[order])
-    segment_axpy(col_ptr, rows[order], coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
-    # One GEMM per weight for the hot rows (overwriting the zeros the empty segments wrote).
-    dw_gate.index_copy_(0, hot, a_gate.T @ x)
-    dw_up.index_copy_(0, hot, a_up.T @ x)
-    dw_down.index_copy_(0, hot, a_h.T @ dy)
-
-    # dx: cold entries by row segments (row order kept: a stable partition), hot units by one GEMM.
-    part = torch.argsort(is_hot.to(torch.int8), stable=True)
-    cold_per_row = torch.zeros(M, device=dev, dtype=i32).index_add_(0, rows, (~is_hot).to(i32))
-    cold_ptr = torch.zeros(M + 1, device=dev, dtype=i32)
-    torch.cumsum(cold_per_row, dim=0, dtype=i32, out=cold_ptr[1:])
-    dx32 = torch.empty((M, D), device=dev, dtype=torch.float32)
-    segment_axpy(cold_ptr, cols[part], (d_gate[part], d_up[part]), (w_gate, w_up), (dx32,), SUM2, split=False)
-    hot_w = torch.cat([w_gate[hot], w_up[hot]])
-    dx32 += torch.cat([a_gate, a_up], dim=1) @ hot_w
-    dx = dx32.to(x.dtype)
     return dx, dw_gate, dw_up, dw_down
 
 

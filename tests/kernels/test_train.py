@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.train as train_mod
 from kernels.gate import default_slots, default_tile_n
 from kernels.reference import relu_ffn, twell_gate_reference
 from kernels.synthetic import (
@@ -144,14 +143,11 @@ def test_l1_gradient_alone_and_y_alone():
         assert _rel_err(a.grad, b.grad) < 1e-5
 
 
-@pytest.mark.parametrize("variant", BACKWARD_VARIANTS + ("auto", "forward_split", "hybrid_few_hot"))
-def test_backward_variants_agree_and_are_deterministic(variant, monkeypatch):
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS + ("auto", "forward_split"))
+def test_backward_variants_agree_and_are_deterministic(variant):
     inputs = _inputs(31, 64, 256, torch.float32)
     make_rows_dense(inputs[0], [4])  # an overflow row too
     grad_y = torch.randn(31, 64, device=DEVICE)
-    if variant == "hybrid_few_hot":  # both halves of the hybrid backward: 5 dense units, the rest sparse
-        monkeypatch.setattr(train_mod, "HOT_UNITS", 5)
-        variant = "hybrid"
     try:
         if variant == "forward_split":
             set_forward_variant("split")
@@ -168,15 +164,6 @@ def test_backward_variants_agree_and_are_deterministic(variant, monkeypatch):
     ref = _run(relu_ffn, inputs, grad_y.double(), 0.7, dtype=torch.float64)
     for a, b in zip(first[1], ref[1]):
         assert _rel_err(a, b) < 1e-5
-
-
-def test_hybrid_backward_bf16_at_rounding_level(monkeypatch):
-    monkeypatch.setattr(train_mod, "HOT_UNITS", 8)
-    set_backward_variant("hybrid")
-    try:
-        _check_against_reference(_inputs(53, 128, 256, torch.bfloat16, mean_active=8.0))
-    finally:
-        set_backward_variant("auto")
 
 
 def test_saves_only_sparse_state_for_backward():

@@ -133,13 +133,16 @@ class ActivityMeter:
             x = args[0]
             tally = self.tallies[layer]
             seq_len = x.shape[1]
-            for b, (lo, hi) in enumerate(self.buckets):
+            pairs = []
+            for lo, hi in self.buckets:
                 if lo >= seq_len:
                     break
-                # module.forward (not module(...)) runs the same FFN code without re-entering hooks;
-                # contiguous because the kernels take only dense row-major x.
-                _, _, stats = module.forward(x[:, lo:hi].contiguous(), with_stats=True)
-                tally.bucket_pairs[b] += int(stats.unit_fires.sum(dtype=torch.int64))
+                # module.forward (not module(...)) runs the same FFN code without re-entering hooks.
+                _, _, stats = module.forward(x[:, lo:hi], with_stats=True)
+                pairs.append(stats.unit_fires.sum(dtype=torch.int64))
+            # One device-to-host read per layer, not one per bucket.
+            for b, n in enumerate(torch.stack(pairs).tolist()):
+                tally.bucket_pairs[b] += n
             if layer in self.captured:
                 self.captured[layer]["x"].append(x.detach().reshape(-1, x.shape[-1]).cpu())
                 self.captured[layer]["y"].append(output[0].detach().reshape(-1, x.shape[-1]).cpu())

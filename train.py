@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer
 from eval import bytes_per_token, validation_loss
 from model import Transformer
-from training.checkpoint import CheckpointError
+from training.checkpoint import CheckpointError, capture_rng, restore_rng
 from training.config import JobConfig, register_configs
 from training.distributed import DistInfo, destroy, init_distributed
 from training.trainer import Evaluator, Trainer
@@ -131,14 +131,11 @@ def lm_eval_evaluator(ecfg, tokenizer, info: DistInfo) -> Evaluator:
 
 @contextlib.contextmanager
 def _rng_untouched(device: torch.device):
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [device] if device.type == "cuda" else []
+    state = capture_rng(device)  # the same RNG set a checkpoint saves: torch, CUDA, Python, NumPy
     try:
-        with torch.random.fork_rng(devices=devices):
-            yield
+        yield
     finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
+        restore_rng(state, device)
 
 
 def save_run_config(cfg: DictConfig, trainer: Trainer) -> None:

@@ -276,10 +276,6 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units):
     return y, InferenceStats(overflow_rows)
 
 
-def default_schedule(M: int) -> str:
-    return "row"
-
-
 @torch.no_grad()
 def twell_ffn_inference(
     x: torch.Tensor,
@@ -304,8 +300,7 @@ def twell_ffn_inference(
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
-    schedule = default_schedule(x.shape[0]) if schedule is None else schedule
-    if schedule != "row":
+    if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units)
     return (y, stats) if return_stats else y

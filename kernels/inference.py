@@ -260,18 +260,16 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units):
     args = (x, w_gate, w_up, w_down)
     extra = (hot.hot_pos, y_hot) if hot_units else (gate.counts, x)  # placeholders when not HOT
     fmt = (gate.counts, gate.cols, gate.vals, *extra, F, min(next_pow2(M), 1 << 17))
+    y = torch.empty_like(x)
     if split == 1 and not interpreting():
-        y = torch.empty_like(x)
         _tuned_consumer[(M, 1)](*args, y, *fmt, **common)
     else:
-        y32 = torch.zeros((M, D), dtype=torch.float32, device=x.device) if split > 1 else None
-        y = torch.empty_like(x)
+        # split > 1: the programs of a row add into an fp32 buffer with atomics, cast into y at the end
+        out = torch.zeros((M, D), dtype=torch.float32, device=x.device) if split > 1 else y
         chunk = min(16 if interpreting() else 4, next_pow2(gate.slots))
-        _row_consumer_kernel[(M, split)](
-            *args, y32 if split > 1 else y, *fmt, CHUNK=chunk, num_warps=4, **common
-        )
+        _row_consumer_kernel[(M, split)](*args, out, *fmt, CHUNK=chunk, num_warps=4, **common)
         if split > 1:
-            y.copy_(y32)
+            y.copy_(out)
     overflow_rows = (gate.counts > gate.slots).any(dim=1).sum(dtype=torch.int32)
     return y, InferenceStats(overflow_rows)
 

@@ -43,22 +43,14 @@ from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampl
 #             6.95 vs fused3 7.35 ms at 16k tokens, 17.17 vs 17.86 at 64k): split from 16k tokens,
 #             fused3 below (not measured there; fewer launches).
 BACKWARD_VARIANTS = ("fused3", "split", "csc_dh")
-# Forward: "row" = u and y fused in one program per row loading whole weight rows (train_rowfwd.py);
-# "split" = a sampled-dot kernel for u, then a row-segment kernel for y over D slices.
-FORWARD_VARIANTS = ("row", "split")
-_settings = {"backward": "auto", "forward": "row"}
+# Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
+_settings = {"backward": "auto"}
 
 
 def set_backward_variant(name: str) -> None:
     if name not in BACKWARD_VARIANTS + ("auto",):
         raise ValueError(f"backward variant {name!r} is unknown; choose one of {BACKWARD_VARIANTS}")
     _settings["backward"] = name
-
-
-def set_forward_variant(name: str) -> None:
-    if name not in FORWARD_VARIANTS:
-        raise ValueError(f"forward variant {name!r} is unknown; choose one of {FORWARD_VARIANTS}")
-    _settings["forward"] = name
 
 
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -76,14 +68,8 @@ def _ffn_train_fwd(
     tw = twell_gate(x, w_gate)
     pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
     # Overflow rows have empty segments: y is written as zeros there, then replaced below.
-    if _settings["forward"] == "row":
-        up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down)
-        h = pat.gate.float() * up
-    else:
-        up = sampled_dot(pat.rows, pat.cols, x, w_up)
-        h = pat.gate.float() * up
-        y = torch.empty_like(x)
-        segment_axpy(pat.row_ptr, pat.cols, (h,), (w_down,), (y,), ONE, split=False)  # rows: <= T*slots
+    up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down)
+    h = pat.gate.float() * up
     l1_sum = h.abs().sum()
     # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
     unit_fires = torch.zeros(w_gate.shape[0], dtype=torch.int32, device=x.device)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, set_forward_variant, twell_ffn  # noqa: E402
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -132,14 +132,11 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
     if compiled is not None:
         impls.append(("dense_compiled", compiled, None))
     impls += [(f"twell_{v}", _twell_y_l1, v) for v in getattr(args, "variants", None) or BACKWARD_VARIANTS]
-    if getattr(args, "fwdsplit", False):  # fused3 backward, the two-kernel forward (measured slower, round 2)
-        impls.append(("twell_fwdsplit", _twell_y_l1, "fwdsplit"))
 
     rows = []
     for name, fn, variant in impls:
         if variant:
-            set_forward_variant("split" if variant == "fwdsplit" else "row")
-            set_backward_variant(BACKWARD_VARIANTS[0] if variant == "fwdsplit" else variant)
+            set_backward_variant(variant)
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -166,7 +163,6 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
             )
         rows.append(row)
     set_backward_variant("auto")
-    set_forward_variant("row")
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -244,7 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKWARD_VARIANTS,
         default=[v for v in BACKWARD_VARIANTS if v != "csc_dh"],
     )
-    p.add_argument("--fwdsplit", action="store_true", help="also time the two-kernel forward")
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")

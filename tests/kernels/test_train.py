@@ -18,7 +18,7 @@ from kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, set_forward_variant, twell_ffn
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
 from kernels.train_sparse import ONE, ONE_DOT, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,21 +143,17 @@ def test_l1_gradient_alone_and_y_alone():
         assert _rel_err(a.grad, b.grad) < 1e-5
 
 
-@pytest.mark.parametrize("variant", BACKWARD_VARIANTS + ("auto", "forward_split"))
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS + ("auto",))
 def test_backward_variants_agree_and_are_deterministic(variant):
     inputs = _inputs(31, 64, 256, torch.float32)
     make_rows_dense(inputs[0], [4])  # an overflow row too
     grad_y = torch.randn(31, 64, device=DEVICE)
     try:
-        if variant == "forward_split":
-            set_forward_variant("split")
-        else:
-            set_backward_variant(variant)
+        set_backward_variant(variant)
         first = _run(twell_ffn, inputs, grad_y, 0.7)
         second = _run(twell_ffn, inputs, grad_y, 0.7)
     finally:
         set_backward_variant("auto")
-        set_forward_variant("row")
     assert torch.equal(first[0].y, second[0].y)
     for a, b in zip(first[1], second[1]):
         assert torch.equal(a, b)  # no atomics: bit-identical re-runs (activation checkpointing relies on it)

@@ -31,18 +31,16 @@ from .gate import twell_gate
 from .reference import FFNOutput
 from .train_format import build_pattern
 from .train_rowfwd import row_ffn_forward
-from .train_sparse import ONE, ONE_DOT, SPLIT2, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
+from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
 #             rows and writes all three weight gradients.
 #   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
-#   "csc_dh": dh inside the dy column pass (w_down[j] read once per column slice, not once per
-#             entry), then an x pass for dW_gate/dW_up: one gathered row per entry fewer.
 #   "auto" (default): the measured best per size (docs/results/bench_train_round3.txt, H200: split
 #             6.95 vs fused3 7.35 ms at 16k tokens, 17.17 vs 17.86 at 64k): split from 16k tokens,
 #             fused3 below (not measured there; fewer launches).
-BACKWARD_VARIANTS = ("fused3", "split", "csc_dh")
+BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 _settings = {"backward": "auto"}
 
@@ -121,24 +119,14 @@ def _ffn_train_bwd(
     col_ptr = torch.searchsorted(cols[order], units).to(torch.int32)
     rows_by_col = rows[order]
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    if variant == "csc_dh":
-        h_c, up_c, gate_c = h[order], up[order], gate32[order]
-        dots = dots_buffer(x.shape[1], rows.numel(), x.device)
-        segment_axpy(col_ptr, rows_by_col, (h_c,), (dy, w_down), (dw_down,), ONE_DOT, dots=dots)
-        dh_c = dots.sum(dim=0) + l1_scale * torch.sign(h_c)
-        d_gate_c, d_up_c = dh_c * up_c, dh_c * gate_c
-        segment_axpy(col_ptr, rows_by_col, (d_gate_c, d_up_c), (x,), (dw_gate, dw_up), SPLIT2)
-        d_gate = torch.empty_like(d_gate_c).index_copy_(0, order, d_gate_c)  # back to row order for dx
-        d_up = torch.empty_like(d_up_c).index_copy_(0, order, d_up_c)
+    dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
+    d_gate, d_up = dh * up, dh * gate32
+    coefs = (d_gate[order], d_up[order], h[order])
+    if variant == "fused3":
+        segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
-        dh = sampled_dot(rows, cols, dy, w_down) + l1_scale * torch.sign(h)
-        d_gate, d_up = dh * up, dh * gate32
-        coefs = (d_gate[order], d_up[order], h[order])
-        if variant == "fused3":
-            segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
-        else:
-            segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
-            segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
+        segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
+        segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
     dx = torch.empty_like(x)
     segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2, split=False)
 

@@ -233,13 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, nargs="*", default=list(TRAIN_TOKENS))
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192])
     p.add_argument("--d-model", type=int, default=2048)
-    # csc_dh (measured = split, round 2) only on request: one kernel less to compile and autotune.
-    p.add_argument(
-        "--variants",
-        nargs="*",
-        choices=BACKWARD_VARIANTS,
-        default=[v for v in BACKWARD_VARIANTS if v != "csc_dh"],
-    )
+    p.add_argument("--variants", nargs="*", choices=BACKWARD_VARIANTS, default=list(BACKWARD_VARIANTS))
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")

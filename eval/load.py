@@ -51,7 +51,9 @@ def latest_step_dir(path: Path) -> Path:
     """A step folder itself, or the newest finished `step_*` in a checkpoints folder."""
     if (path / ".metadata").is_file():
         return path
-    steps = sorted(p for p in path.glob("step_*") if p.is_dir() and (p / ".metadata").is_file())
+    # Exactly step_<8 digits>: the trainer saves into `step_XXXXXXXX.tmp/` (which already has a
+    # .metadata while being written) and renames it only when the checkpoint is complete.
+    steps = sorted(p for p in path.glob("step_" + "[0-9]" * 8) if p.is_dir() and (p / ".metadata").is_file())
     if not steps:
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity, sweep
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -59,6 +59,39 @@ stage_fidelity() {
   for layer in 00 05 11; do
     python3 scripts/bench_ffn.py --activations "$RUNS/fid_sparse_ffn.layer$layer.pt" --no-compile 2>&1 | tail -4
   done | tee "$OUT/bench_real_activations.txt"
+}
+
+# A set of training runs side by side, several per GPU: SWEEP names a file of lines
+# "name gpu overrides..." (scripts/sweeps/); every run gets experiment=fidelity, SWEEP_ARGS and its own
+# overrides, and at most SWEEP_SECONDS of wall time. Then a comparison table (scripts/compare_runs.py),
+# each run's activity plot, and for each run in SWEEP_DUMP its activity on held-out text with its FFN
+# inputs dumped ($RUNS) and the TwELL kernels timed on layers SWEEP_LAYERS of them.
+stage_sweep() {
+  [ -d offline/corpus ] || { echo "offline/corpus missing: run scripts/build_corpus.py and carry it"; return 1; }
+  local spec=${SWEEP:-scripts/sweeps/fidelity_sparsity.txt} RUNS=${RUNS:-/tmp/twell_runs} names=()
+  mkdir -p "$RUNS" "$OUT/sweep"
+  while read -r name gpu overrides; do
+    case "$name" in ''|'#'*) continue ;; esac
+    names+=("$name")
+    CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM "${SWEEP_SECONDS:-450}" python3 train.py experiment=fidelity \
+      run_name="$name" run_dir="$RUNS/$name" ${SWEEP_ARGS:-} $overrides > "$RUNS/$name.log" 2>&1 &
+  done < "$spec"
+  wait
+  for name in "${names[@]}"; do
+    tr '\r' '\n' < "$RUNS/$name.log" | grep -E "^(Traceback|[A-Za-z]*Error)" | head -3
+    cp "$RUNS/$name/metrics.jsonl" "$OUT/sweep/${name}_metrics.jsonl"
+    python3 scripts/plot_activity.py "$RUNS/$name" --out "$OUT/sweep/${name}_activity.png"
+  done
+  (cd "$RUNS" && python3 "$OLDPWD/scripts/compare_runs.py" "${names[@]}" --out "$OUT/sweep/compare.json") \
+    | tee "$OUT/sweep/compare.txt"
+  for name in ${SWEEP_DUMP:-}; do
+    python3 scripts/activity.py checkpoint="$RUNS/$name/checkpoints" --val-rows 64 --data corpus \
+      --out "$OUT/sweep/${name}_text" --dump-ffn-inputs "$RUNS/${name}_ffn.pt" --layers all 2>&1 | tail -16
+    for layer in ${SWEEP_LAYERS:-00 05 11}; do
+      python3 scripts/bench_ffn.py --activations "$RUNS/${name}_ffn.layer$layer.pt" --hot-units 0 256 \
+        --out "$OUT/sweep/${name}_bench_ffn_l$layer.json" 2>&1 | tail -4
+    done | tee "$OUT/sweep/${name}_bench_real.txt"
+  done
 }
 
 for stage in "${@:-kernels}"; do

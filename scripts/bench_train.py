@@ -2,13 +2,20 @@
 
     python scripts/bench_train.py                      # tokens 16384 65536 x d_ff 5632 8192, d_model 2048
     python scripts/bench_train.py --quick              # 16384 tokens, d_ff 5632 only
+    python scripts/bench_train.py --activations acts.layer05.pt --no-compile   # a real model's FFN inputs
+    python scripts/bench_train.py --activations acts.layer05.pt --tokens 16384 # its first 16384 rows
     python scripts/bench_ffn.py --mode train           # the same, through the FFN benchmark
 
 Per shape (paper-like bf16 inputs from kernels/synthetic.py): dense PyTorch eager and torch.compile
-against twell_ffn with each weight-gradient variant. Columns: forward ms, forward+backward ms,
-speed-up over dense eager and compiled, bytes saved for backward beyond the inputs (measured with
-saved_tensors_hooks), peak memory of the step, relative errors of y and the four gradients against an
-fp32 reference next to the dense-bf16 errors (the rounding level), rows on the overflow path.
+against twell_ffn with each weight-gradient variant. With --activations, one shape instead: the x
+and weights of a real model's layer as `scripts/activity.py --dump-ffn-inputs PATH` saves them (x
+[tokens, d_model]; w_gate, w_up, w_down [d_ff, d_model], w_down neuron-major as twell_ffn takes it),
+cast to bf16; d_model and d_ff are the dump's, and every row is used unless --tokens N keeps the
+first N. Rows and JSON name their `source` (the dump's path, or "synthetic").
+Columns: forward ms, forward+backward ms, speed-up over dense eager and compiled, bytes saved for
+backward beyond the inputs (measured with saved_tensors_hooks), peak memory of the step, relative
+errors of y and the four gradients against an fp32 reference next to the dense-bf16 errors (the
+rounding level), rows on the overflow path.
 `--profile` adds a per-kernel CUDA time table of one TwELL step (where the time goes).
 """
 
@@ -23,11 +30,87 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels._common import check_ffn_args  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
+ACTIVATION_KEYS = ("x", "w_gate", "w_up", "w_down")  # what scripts/activity.py --dump-ffn-inputs writes
+SYNTHETIC = "synthetic"  # the `source` of rows on kernels/synthetic.py inputs
+DUMP_FIX = "write one with: python scripts/activity.py checkpoint=... --val-rows 8 --dump-ffn-inputs PATH"
+
+
+class BadActivations(ValueError):
+    """An --activations file that cannot be benchmarked; the message names the file and the fix."""
+
+
+def load_activations(
+    path, *, tokens: int | None = None, dtype: torch.dtype = torch.bfloat16, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, D], w_gate, w_up, w_down [F, D] from a `scripts/activity.py --dump-ffn-inputs` file.
+
+    The dump holds the FFN's weights as the model stores them: w_gate and w_up in nn.Linear layout
+    [d_ff, d_model], w_down neuron-major [d_ff, d_model], which is exactly the layout twell_ffn and
+    dense_ffn_l1 take (y = h @ w_down), so nothing is transposed. `tokens` keeps the first N rows of x
+    (None: all of them). The four tensors come back contiguous, in `dtype` (the bench's bf16), on
+    `device`, and pass twell_ffn's argument checks; any problem raises BadActivations.
+    """
+    if not os.path.isfile(path):
+        raise BadActivations(f"--activations {path}: no such file; {DUMP_FIX}")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unreadable file gets the same advice
+        raise BadActivations(
+            f"--activations {path}: cannot read it with torch.load ({err}); {DUMP_FIX}"
+        ) from err
+    if not isinstance(blob, dict):
+        raise BadActivations(
+            f"--activations {path}: holds a {type(blob).__name__}, not a dict with keys {ACTIVATION_KEYS}; {DUMP_FIX}"
+        )
+    missing = [k for k in ACTIVATION_KEYS if not isinstance(blob.get(k), torch.Tensor)]
+    if missing:
+        raise BadActivations(
+            f"--activations {path}: no tensor under {missing} (it has keys {sorted(map(str, blob))}); "
+            f"the bench needs {list(ACTIVATION_KEYS)}; {DUMP_FIX}"
+        )
+    x, w_gate, w_up, w_down = (blob[k] for k in ACTIVATION_KEYS)
+    for name, t in zip(ACTIVATION_KEYS, (x, w_gate, w_up, w_down)):
+        if t.dim() != 2 or not t.is_floating_point():
+            raise BadActivations(
+                f"--activations {path}: {name} is a {t.dim()}-D {t.dtype} tensor of shape {tuple(t.shape)}; "
+                f"x must be [tokens, d_model] and the weights [d_ff, d_model], floating point; {DUMP_FIX}"
+            )
+    M, D = x.shape
+    F = w_gate.shape[0]
+    if w_gate.shape != (F, D) or w_up.shape != (F, D):
+        raise BadActivations(
+            f"--activations {path}: x is [{M}, {D}] but w_gate is {list(w_gate.shape)} and w_up "
+            f"{list(w_up.shape)}; both must be [d_ff, d_model={D}] (nn.Linear layout); {DUMP_FIX}"
+        )
+    if w_down.shape != (F, D):
+        hint = (
+            "it looks like nn.Linear's [d_model, d_ff] layout: store w_down.t().contiguous() (neuron-major)"
+            if w_down.shape == (D, F)
+            else DUMP_FIX
+        )
+        raise BadActivations(
+            f"--activations {path}: w_down is {list(w_down.shape)} but must be neuron-major [d_ff={F}, "
+            f"d_model={D}] like w_gate; {hint}"
+        )
+    if tokens is not None:
+        if not 1 <= tokens <= M:
+            raise BadActivations(
+                f"--activations {path}: --tokens {tokens} must be in 1..{M} (the dump's rows); "
+                "leave --tokens out to use every row"
+            )
+        x = x[:tokens]
+    out = tuple(t.to(device=device, dtype=dtype).contiguous() for t in (x, w_gate, w_up, w_down))
+    try:
+        check_ffn_args(*out)
+    except ValueError as err:
+        raise BadActivations(f"--activations {path}: {err}") from err
+    return out
 
 
 def dense_ffn_l1(x, w_gate, w_up, w_down):
@@ -91,6 +174,25 @@ def _reference(inputs, grad_y) -> dict:
     return ref
 
 
+def prepare_step(inputs) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+    """What every timed step works on: leaf copies of the four inputs requiring grad, a random grad_y
+    [M, D] in x's dtype and device, and the fp32 reference of y and the four gradients."""
+    x = inputs[0]
+    grad_y = torch.randn(x.shape, device=x.device, dtype=x.dtype)
+    ref = _reference(inputs, grad_y)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    return leaves, grad_y, ref
+
+
+def mark_ok(rows: list[dict]) -> None:
+    """`ok`: y and every gradient within 3x the dense-bf16 error (the rounding level, rows[0] is the
+    dense eager row) or 1e-2."""
+    dense = rows[0]
+    for r in rows:
+        errs = [k for k in r if k.startswith("err_")]
+        r["ok"] = all(r[k] <= max(3 * dense[k], 1e-2) for k in errs)
+
+
 def _profile(leaves, grad_y, variant: str) -> list[dict]:
     """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
     from torch.autograd import DeviceType
@@ -118,14 +220,19 @@ def _profile(leaves, grad_y, variant: str) -> list[dict]:
     return [{"variant": variant, "kernel": k["kernel"], "us": k["us"]} for k in kernels]
 
 
-def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
+def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:
+    """One synthetic shape: paper-like bf16 inputs [M, d_model] x [F, d_model]."""
+    inputs = paper_like_ffn_inputs(M, args.d_model, F, device="cuda", dtype=torch.bfloat16, seed=M + F)
+    return bench_inputs(inputs, args, compiled, source=SYNTHETIC, profile=profile)
+
+
+def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> list[dict]:
+    """Time and check every implementation on x, w_gate, w_up, w_down (CUDA tensors, one dtype)."""
     import triton
 
-    D = args.d_model
-    inputs = paper_like_ffn_inputs(M, D, F, device="cuda", dtype=torch.bfloat16, seed=M + F)
-    grad_y = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
-    ref = _reference(inputs, grad_y)
-    leaves = [t.clone().requires_grad_() for t in inputs]
+    M, D = inputs[0].shape
+    F = inputs[1].shape[0]
+    leaves, grad_y, ref = prepare_step(inputs)
     rep = getattr(args, "rep", 100)
 
     impls = [("dense_eager", dense_ffn_l1, None)]
@@ -148,7 +255,7 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
         _step(fn, leaves, grad_y)
         torch.cuda.synchronize()
         row = dict(
-            tokens=M, d_model=D, d_ff=F, impl=name, fwd_ms=fwd_ms, fwd_bwd_ms=step_ms,
+            source=source, tokens=M, d_model=D, d_ff=F, impl=name, fwd_ms=fwd_ms, fwd_bwd_ms=step_ms,
             # Saved bytes of the compiled dense path are those of its eager twin (hooks cannot see into
             # a compiled graph's saved tensors).
             saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
@@ -170,10 +277,8 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
         r["speedup_vs_eager"] = dense["fwd_bwd_ms"] / r["fwd_bwd_ms"]
         r["speedup_vs_best_dense"] = best_dense / r["fwd_bwd_ms"]
         r["saved_vs_dense"] = r["saved_mb"] / dense["saved_mb"]
-        # Correct = within 3x the dense-bf16 error (the rounding level) or 1e-2, for y and every gradient.
-        errs = [k for k in r if k.startswith("err_")]
-        r["ok"] = all(r[k] <= max(3 * dense[k], 1e-2) for k in errs)
-    if getattr(args, "profile", False) and (M, F) == (min(args.tokens_used), args.d_ff[0]):
+    mark_ok(rows)
+    if profile:
         for variant in getattr(args, "variants", None) or BACKWARD_VARIANTS:
             args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant)
         set_backward_variant("auto")
@@ -181,6 +286,8 @@ def bench_shape(M: int, F: int, args, compiled) -> list[dict]:
 
 
 def print_table(rows) -> None:
+    for source in dict.fromkeys(r.get("source", SYNTHETIC) for r in rows):
+        print(f"source: {source}")
     head = (
         f"{'tokens':>7} {'d_ff':>5} {'impl':<15} {'fwd ms':>7} {'f+b ms':>7} {'xEager':>6} {'xBest':>6} "
         f"{'saved MB':>9} {'%dense':>6} {'peak MB':>8} {'err y':>8} {'err dx':>8} {'err dWg':>8} "
@@ -202,18 +309,31 @@ def run_train_bench(args) -> list[dict]:
 
     From bench_ffn.py only token counts in [1024, 65536] are used (its list holds decode sizes), and
     the defaults are taken when none is left.
+    With `args.activations` (a dump path) the one shape of that dump is benched instead (d_ff, d_model,
+    --tokens and --quick do not apply): args.activation_inputs if main() loaded it already, else the
+    file, all of its rows (bench_ffn.py --mode train --activations) or the first args.activation_rows.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_train needs a CUDA GPU")
-    tokens = [t for t in getattr(args, "tokens", TRAIN_TOKENS) if 1024 <= t <= 65536] or list(TRAIN_TOKENS)
+    compiled = None if getattr(args, "no_compile", False) else torch.compile(dense_ffn_l1)
+    path = getattr(args, "activations", None)
+    if path:
+        cpu = getattr(args, "activation_inputs", None) or load_activations(
+            path, tokens=getattr(args, "activation_rows", None)
+        )
+        inputs = [t.to("cuda") for t in cpu]
+        rows = bench_inputs(inputs, args, compiled, source=path, profile=getattr(args, "profile", False))
+        print_table(rows)
+        return rows
+    tokens = [t for t in getattr(args, "tokens", None) or TRAIN_TOKENS if 1024 <= t <= 65536]
+    tokens = tokens or list(TRAIN_TOKENS)
     if getattr(args, "quick", False):
         tokens, args.d_ff = [16384], [5632]
-    args.tokens_used = tokens
-    compiled = None if getattr(args, "no_compile", False) else torch.compile(dense_ffn_l1)
     rows = []
     for F in args.d_ff:
         for M in tokens:
-            new = bench_shape(M, F, args, compiled)
+            first = (M, F) == (min(tokens), args.d_ff[0])
+            new = bench_shape(M, F, args, compiled, profile=getattr(args, "profile", False) and first)
             print_table(new)
             rows += new
             torch.cuda.empty_cache()
@@ -223,18 +343,37 @@ def run_train_bench(args) -> list[dict]:
 
 
 def _write_json(path: str, rows: list[dict], args) -> None:
-    blob = {"device": torch.cuda.get_device_name(), "rows": rows, "profiles": getattr(args, "profiles", [])}
+    blob = {
+        "device": torch.cuda.get_device_name(),
+        "source": getattr(args, "activations", None) or SYNTHETIC,
+        "rows": rows,
+        "profiles": getattr(args, "profiles", []),
+    }
     with open(path, "w") as f:
         json.dump(blob, f, indent=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="*", default=list(TRAIN_TOKENS))
-    p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192])
-    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="*",
+        default=None,
+        help=f"token counts (default {' '.join(map(str, TRAIN_TOKENS))}); with --activations one N: "
+        "bench the dump's first N rows (default: every row)",
+    )
+    p.add_argument("--d-ff", type=int, nargs="*", default=[5632, 8192], help="ignored with --activations")
+    p.add_argument("--d-model", type=int, default=2048, help="ignored with --activations")
+    p.add_argument(
+        "--activations",
+        metavar="PATH",
+        help="bench a real model's FFN inputs instead of synthetic ones: a .pt from scripts/activity.py "
+        "--dump-ffn-inputs (x [tokens, d_model]; w_gate, w_up, w_down [d_ff, d_model], w_down "
+        "neuron-major); d_model and d_ff are the dump's (--d-ff, --d-model and --quick are ignored)",
+    )
     p.add_argument("--variants", nargs="*", choices=BACKWARD_VARIANTS, default=list(BACKWARD_VARIANTS))
-    p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only")
+    p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")
@@ -244,6 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.activations:  # checked before the GPU, so a bad file is reported on any machine
+        if args.tokens and len(args.tokens) > 1:
+            sys.exit(
+                f"error: with --activations, --tokens takes one N (the dump's first N rows), got {args.tokens}"
+            )
+        args.activation_rows = args.tokens[0] if args.tokens else None
+        try:
+            args.activation_inputs = load_activations(args.activations, tokens=args.activation_rows)
+        except BadActivations as err:
+            sys.exit(f"error: {err}")
+        x, w_gate = args.activation_inputs[:2]
+        print(f"{args.activations}: {x.shape[0]} tokens, d_model {x.shape[1]}, d_ff {w_gate.shape[0]}")
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU")
     args.write_each_shape = True

@@ -90,6 +90,8 @@ stage_sweep() {
     for layer in ${SWEEP_LAYERS:-00 05 11}; do
       python3 scripts/bench_ffn.py --activations "$RUNS/${name}_ffn.layer$layer.pt" --hot-units 0 256 \
         --out "$OUT/sweep/${name}_bench_ffn_l$layer.json" 2>&1 | tail -4
+      python3 scripts/bench_train.py --activations "$RUNS/${name}_ffn.layer$layer.pt" --tokens 16384 --no-compile \
+        --out "$OUT/sweep/${name}_bench_train_l$layer.json" 2>&1 | grep -v "^wrote"
     done | tee "$OUT/sweep/${name}_bench_real.txt"
   done
 }

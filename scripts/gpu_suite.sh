@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity, sweep
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity, sweep, gputests, decode
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -94,6 +94,16 @@ stage_sweep() {
         --out "$OUT/sweep/${name}_bench_train_l$layer.json" 2>&1 | grep -v "^wrote"
     done | tee "$OUT/sweep/${name}_bench_real.txt"
   done
+}
+
+# GPU-marked tests only (correctness at real sizes), and the decode sizes of bench_ffn (row schedule
+# with its split consumer vs the fused single-kernel path) under CUDA graphs.
+stage_gputests() {
+  python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+}
+stage_decode() {
+  python3 scripts/bench_ffn.py --tokens 1 4 16 64 --d-ff 5632 8192 --out "$OUT/bench_decode.json" 2>&1 \
+    | tee "$OUT/bench_decode.txt"
 }
 
 for stage in "${@:-kernels}"; do

@@ -16,6 +16,8 @@ from data import DataConfig
 from model import ModelConfig
 from training.schedule import SCHEDULES
 
+PARALLEL_MODES = ("ddp", "fsdp")
+
 
 def _choice(name: str, value: str, choices: tuple) -> None:
     if value not in choices:
@@ -62,7 +64,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    """Batch geometry, length, precision and the per-block wrappers."""
+    """Batch geometry, length, precision, data parallelism and the per-block wrappers."""
 
     global_batch_tokens: int = 1_048_576  # tokens per optimizer step, all ranks together
     micro_batch: int = 8  # sequences per forward on one rank
@@ -75,9 +77,14 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name
+    # With more than one process: ddp (replicated parameters, all-reduced gradients) | fsdp (FSDP2:
+    # parameters, gradients and AdamW moments sharded over the ranks). One process trains the
+    # plain model either way.
+    parallel: str = "ddp"
 
     def __post_init__(self):
         _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        _choice("train.parallel", self.parallel, PARALLEL_MODES)
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
         for name in ("global_batch_tokens", "micro_batch", "seq_len", "steps"):
             _positive(f"train.{name}", getattr(self, name))

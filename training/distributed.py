@@ -1,4 +1,4 @@
-"""Process-group setup for one process or `torchrun` (DDP): gloo on CPU, NCCL on GPU."""
+"""Process-group setup for one process or `torchrun` (DDP or FSDP2): gloo on CPU, NCCL on GPU."""
 
 import os
 from dataclasses import dataclass
@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # gloo group next to an NCCL default group; None when the default group is gloo already.
 _CPU_GROUP = None
@@ -53,6 +54,27 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
             global _CPU_GROUP
             _CPU_GROUP = dist.new_group(backend="gloo")
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def shard_model(model: nn.Module, device: torch.device) -> None:
+    """FSDP2 (`fully_shard`) over all ranks: each transformer block is one shard group, then the root
+    (token embedding, which is also the tied output head, and the final norm) is one more.
+
+    Call after the per-block wrappers (activation checkpointing, torch.compile), with `model.layers`
+    holding the wrapped blocks, and before the optimizer is built: the parameters become DTensors
+    sharded on dim 0 and the module classes change in place (names and state-dict keys do not).
+    No MixedPrecisionPolicy: the fp32 parameters are gathered as they are and the trainer's bf16
+    autocast casts inside each op, as under DDP, so the numbers match DDP's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = list(model.layers)
+    for index, block in enumerate(blocks):
+        # The last block runs first in the backward pass: resharding it after the forward would
+        # only gather it again at once.
+        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1)
+    fully_shard(model, mesh=mesh)
 
 
 def barrier() -> None:

@@ -7,6 +7,7 @@ same dead units); the rest is reduced when the trainer reads metrics on the logg
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training.config import SparsityConfig
 from training.distributed import all_reduce_
@@ -127,6 +128,20 @@ class ActivityTracker:
         self.dead.copy_(state["dead"])
 
 
+def _owned_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (a tensor of param's global shape, the same on every rank) that this rank
+    holds of `param`: all of it for a plain tensor; for a DTensor (FSDP2 shards dim 0, the units)
+    the slice its placements give this rank, cut locally without communication."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The storage this rank updates in place: the tensor itself, or a DTensor's local shard."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 @torch.no_grad()
 def reinit_dead_gate_rows(
     gate_weights: list[nn.Parameter],
@@ -140,17 +155,21 @@ def reinit_dead_gate_rows(
     """W_g[j] <- (1 - lam) W_g[j] + lam N(0, sigma^2) for every dead unit j of every layer.
 
     The noise comes from a generator seeded by (seed, step, layer), so every data-parallel rank
-    draws the same numbers and the replicas stay identical without a broadcast. With `optimizer`,
-    the AdamW moments of those rows are zeroed too. Returns the number of rows per layer (device).
+    draws the same numbers and the replicas stay identical without a broadcast. Each rank draws the
+    noise of the whole [d_ff, d_model] matrix and applies the rows it holds: all of them under DDP,
+    its shard of the units under FSDP2 (gate weights and AdamW moments are then DTensors sharded on
+    dim 0), so the gathered weight is exactly what one process computes. With `optimizer`, the AdamW
+    moments of those rows are zeroed too. Returns the number of rows per layer (device).
     """
     for layer, (weight, dead_rows) in enumerate(zip(gate_weights, dead)):
         gen = torch.Generator(device=weight.device)
         gen.manual_seed((seed * 1_000_003 + step) * 1_009 + layer)
         noise = torch.randn(weight.shape, generator=gen, device=weight.device, dtype=weight.dtype)
-        mask = dead_rows.unsqueeze(1)
-        weight.copy_(torch.where(mask, (1.0 - lam) * weight + (lam * sigma) * noise, weight))
+        mask = dead_rows.unsqueeze(1).expand(weight.shape)
+        local, local_noise, local_mask = _local(weight), _owned_part(weight, noise), _owned_part(weight, mask)
+        local.copy_(torch.where(local_mask, (1.0 - lam) * local + (lam * sigma) * local_noise, local))
         if optimizer is not None:
             for moment in optimizer.state.get(weight, {}).values():
                 if torch.is_tensor(moment) and moment.shape == weight.shape:
-                    moment.masked_fill_(mask, 0.0)
+                    _local(moment).masked_fill_(_owned_part(moment, mask), 0.0)
     return dead.sum(dim=1)

@@ -1,8 +1,13 @@
 """The training loop: one place to read what a step does.
 
 step = grad_accum micro-batches (forward under autocast, CE in fp32 + l1_coef * L1, backward; DDP
-all-reduces gradients only on the last micro-batch) -> clip -> AdamW -> dead-unit re-init ->
-metrics on the log cadence -> evaluations / checkpoint on theirs.
+all-reduces / FSDP2 reduce-scatters gradients only on the last micro-batch) -> clip to the global
+norm -> AdamW -> dead-unit re-init -> metrics on the log cadence -> evaluations / checkpoint on
+theirs.
+
+Data parallelism (train.parallel, with more than one process): ddp wraps the model in
+DistributedDataParallel; fsdp shards it in place with FSDP2 (`fully_shard` per block, then the
+root), so parameters, gradients and AdamW moments are DTensors. One process trains the plain model.
 
 Evaluations (validation loss / bits per byte, an lm-eval subset) are `Evaluator`s built by train.py
 from eval/'s public API and handed in: this package never imports eval/.
@@ -22,11 +27,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
 from training.config import JobConfig
-from training.distributed import DistInfo, all_reduce_, any_rank, barrier
+from training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
 from training.loggers import RunLogger
 from training.metrics import mfu, peak_flops, peak_memory_gib
 from training.optim import build_optimizer, set_lr
@@ -56,15 +62,26 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         model.layers[index] = block
 
 
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm (over every rank's shard under FSDP2); returns that norm as
+    a plain tensor. With DTensor gradients the norm clip_grad_norm_ computes is a DTensor already
+    reduced over the shards; full_tensor() makes it a plain tensor (no communication)."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 @dataclass
 class Evaluator:
-    """A periodic evaluation of the plain (unwrapped) model: fn(model) -> {metric name: float}.
+    """A periodic evaluation of the model: fn(model) -> {metric name: float}.
 
     Runs after every `interval`-th optimizer step (0 = never) under torch.no_grad with the model in
     eval mode (train mode is restored). all_ranks: every rank calls fn (it may hold collectives,
-    e.g. an all-reduce of validation sums); otherwise rank 0 alone calls it and the other ranks wait
-    at a barrier afterwards, so fn must not hold collectives (if it raises, the error is logged and
-    training goes on rather than leave the others waiting). The metrics of all evaluators due at a
+    e.g. an all-reduce of validation sums) with the trainer's model: the plain one under DDP (never
+    the DDP wrapper), the sharded one under FSDP2, whose forward gathers parameters, so every rank
+    must run the same forwards. Otherwise rank 0 alone calls it and the other ranks wait at a
+    barrier afterwards, so fn must not hold collectives (if it raises, the error is logged and
+    training goes on rather than leave the others waiting); under FSDP2 it gets a full unsharded
+    replica that all ranks gathered to rank 0 just before. The metrics of all evaluators due at a
     step go into one record {"step": step, **metrics} (rank 0's metrics where only rank 0 ran).
     """
 
@@ -91,12 +108,22 @@ class Trainer:
         self.total_steps = tcfg.steps
         self.run_dir = Path(job.run_dir)
 
-        self.model = model.to(self.device)  # the plain model: checkpoints, re-init, routing, eval
-        # Gate weights are collected before wrapping, which may hide the blocks behind a wrapper.
-        self.gate_weights = [block.ffn.w_gate for block in self.model.layers]
+        # The model itself (sharded in place under fsdp, never a DDP wrapper): checkpoints, re-init,
+        # routing, evaluation.
+        self.model = model.to(self.device)
+        self._model_cls = type(model)  # before fully_shard changes it: builds the lm-eval replica
+        # The FFNs are collected before wrapping, which may hide the blocks behind a wrapper; their
+        # gate weights are read at each re-init, since fully_shard replaces the parameters.
+        self.ffns = [block.ffn for block in self.model.layers]
         apply_block_wrappers(self.model, tcfg.activation_checkpointing, tcfg.compile)
+        self.sharded = tcfg.parallel == "fsdp" and info.enabled
+        if tcfg.parallel == "fsdp" and not info.enabled:
+            # As torchtitan: FSDP is applied only when there is more than one rank to shard over.
+            log.info("train.parallel=fsdp with one process: nothing to shard, training the plain model")
         self.forward_model = self.model
-        if info.enabled:
+        if self.sharded:
+            shard_model(self.model, self.device)  # wrappers first, then fully_shard (as torchtitan)
+        elif info.enabled:
             # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
             # broadcasting them every forward would be a wasted collective.
             self.forward_model = DistributedDataParallel(
@@ -176,7 +203,7 @@ class Trainer:
         )
         self._say(
             f"training {self.model.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
-            f"{self.device.type} ({self.precision}), grad_accum {self.grad_accum}, "
+            f"{self.device.type} ({self.precision}, {self._parallel_name()}), grad_accum {self.grad_accum}, "
             f"{self.job.train.global_batch_tokens} tokens/step, steps {start_step}..{self.total_steps}"
         )
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -214,9 +241,7 @@ class Trainer:
         for micro in range(self.grad_accum):
             input_ids, labels = self._next_batch()
             last = micro == self.grad_accum - 1
-            # DDP all-reduces gradients only after the last micro-batch of the step.
-            sync = contextlib.nullcontext() if last or not self.info.enabled else self.forward_model.no_sync()
-            with sync:
+            with self._grad_sync(last):
                 with self.autocast:
                     out = self.forward_model(input_ids)
                 # CE in fp32 over the logits whatever the autocast dtype.
@@ -228,7 +253,7 @@ class Trainer:
             self.tracker.add(out.stats)
         # max_norm=inf measures without clipping when clipping is off.
         clip = self.job.train.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -237,7 +262,7 @@ class Trainer:
         scfg = self.job.sparsity
         if scfg.reinit_dead and self.step % scfg.reinit_period == 0:
             self.tracker.reinit_units += reinit_dead_gate_rows(
-                self.gate_weights,
+                [ffn.w_gate for ffn in self.ffns],
                 dead,
                 self.step,
                 self.job.train.seed,
@@ -251,6 +276,21 @@ class Trainer:
         self._grad_norm_sum += grad_norm.detach()
         self._window_steps += 1
         self._lr, self._l1_coef = lr, l1_coef
+
+    def _grad_sync(self, last: bool):
+        """Gradients are reduced over ranks only after the last micro-batch of a step; before it they
+        accumulate locally (DDP: no_sync; FSDP2: unsharded gradients, no reduce-scatter)."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if last or not self.info.enabled:
+            return contextlib.nullcontext()
+        return self.forward_model.no_sync()
+
+    def _parallel_name(self) -> str:
+        if not self.info.enabled:
+            return "one process"
+        return "FSDP2" if self.sharded else "DDP"
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = next(self.train_stream)
@@ -297,16 +337,20 @@ class Trainer:
         return record
 
     def _evaluate(self, evaluators: list[Evaluator]) -> dict:
-        """Run the evaluators due at this step on the plain model (never the DDP wrapper: no
-        gradient-sync hooks, and rank-0-only work holds no collective); one record for all."""
+        """Run the evaluators due at this step on the model (never the DDP wrapper: no gradient-sync
+        hooks; under FSDP2 a rank-0-only evaluator gets a gathered replica, since the sharded
+        model's forward is a collective); one record for all."""
         record = {"step": self.step}
         for evaluator in evaluators:
+            model = self.model
+            if self.sharded and not evaluator.all_ranks:
+                model = self._gather_replica()  # every rank takes part; None except on rank 0
             if evaluator.all_ranks or self.info.is_main:
-                was_training = self.model.training
-                self.model.eval()
+                was_training = model.training
+                model.eval()
                 try:
                     with torch.no_grad():
-                        record.update(evaluator.fn(self.model))
+                        record.update(evaluator.fn(model))
                 except Exception:
                     if evaluator.all_ranks:
                         raise  # every rank fails alike: nobody is left waiting
@@ -315,12 +359,34 @@ class Trainer:
                         "evaluation %r failed at step %d; training goes on", evaluator.name, self.step
                     )
                 finally:
-                    self.model.train(was_training)
+                    model.train(was_training)
+            del model  # the replica, if any: free it before training goes on
             if not evaluator.all_ranks:
                 barrier()  # the other ranks wait here while rank 0 evaluates
         self.logger.log(record)
         self._window_t0 = time.perf_counter()  # evaluation is not training time
         return record
+
+    def _gather_replica(self) -> nn.Module | None:
+        """FSDP2: a plain, unsharded copy of the model on rank 0 (None elsewhere), for evaluations
+        that rank 0 runs alone (lm-eval). Collective: all-gathers the full state dict (to rank 0's
+        CPU memory) on every rank, then rank 0 builds the model on its device and loads it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if not self.info.is_main:
+            return None
+        with torch.device("meta"):
+            replica = self._model_cls(self.job.model)
+        replica.to_empty(device=self.device)
+        # init_weights() fills the RoPE tables (not in the state dict); the weights it draws are
+        # overwritten just below, and the global RNGs are left as training had them.
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type=self.device.type):
+            replica.init_weights()
+        replica.load_state_dict(state)
+        return replica.train(self.model.training)
 
     # ------------------------------------------------------------------ misc
     def _on_sigterm(self, signum, frame) -> None:

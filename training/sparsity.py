@@ -91,22 +91,26 @@ class ActivityTracker:
                     self.active_sum,
                     self.active_sum.new_tensor([self.window_tokens]),
                     self.overflow_rows.double(),
-                    self.reinit_units.double(),
                 ]
             )
         )
-        maxima = all_reduce_(self.active_max.clone(), op=torch.distributed.ReduceOp.MAX)
-        ever = all_reduce_(self.fired_in_window.to(torch.int32), op=torch.distributed.ReduceOp.MAX)
+        # Every rank re-initialises the same rows (of its replica, or of its shard under FSDP2), so
+        # the re-init counts are the same on every rank: MAX, not a sum over ranks.
         L = self.n_layers
+        maxima = all_reduce_(
+            torch.cat([self.active_max.double(), self.reinit_units.double()]),
+            op=torch.distributed.ReduceOp.MAX,
+        )
+        ever = all_reduce_(self.fired_in_window.to(torch.int32), op=torch.distributed.ReduceOp.MAX)
         active_mean = sums[:L] / sums[L].clamp_min(1)
         record = {
             "active_mean": active_mean.tolist(),
-            "active_max": maxima.tolist(),
+            "active_max": maxima[:L].tolist(),
             "active_frac": (active_mean / self.d_ff).tolist(),
             "fired_frac": ever.float().mean(dim=1).tolist(),
             "dead_frac": self.dead.float().mean(dim=1).tolist(),
-            "overflow_rows": sums[L + 1 : 2 * L + 1].long().tolist(),
-            "reinit_units": sums[2 * L + 1 :].long().tolist(),
+            "overflow_rows": sums[L + 1 :].long().tolist(),
+            "reinit_units": maxima[L:].long().tolist(),
         }
         for t in (
             self.active_sum,

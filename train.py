@@ -3,6 +3,7 @@
     python train.py experiment=quickstart                      # small CPU-friendly run
     python train.py model=1.5b --cfg job                       # print the composed configuration
     torchrun --nproc_per_node=8 train.py experiment=paper_1.5b # data parallel (DDP)
+    torchrun --nproc_per_node=8 train.py experiment=paper_1.5b train.parallel=fsdp  # sharded (FSDP2)
 
 Every value is type-checked against the dataclass schemas in training/config.py; a bad one stops
 the run before anything is built, with a message naming it.
@@ -47,8 +48,9 @@ def parse_config(cfg: DictConfig) -> JobConfig:
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    # The model is initialised from the same seed on every rank (DDP also broadcasts it); the
-    # per-rank offset only matters for host-side randomness.
+    # The model is initialised from the same seed on every rank (DDP also broadcasts it; FSDP2
+    # keeps each rank's shard of its own copy, so it relies on this); the per-rank offset only
+    # matters for host-side randomness.
     torch.manual_seed(seed)
     random.seed(seed + rank)
     np.random.seed(seed + rank)
@@ -65,6 +67,8 @@ def build_trainer(job: JobConfig) -> Trainer:
         )
     # Built on the meta device and materialised where it trains: a 1.5B model is initialised on
     # the GPU in a moment instead of on the CPU (same seed on every rank; DDP broadcasts rank 0's).
+    # Under train.parallel=fsdp each rank holds the whole model until the Trainer shards it, so
+    # the numbers are the ones DDP and one process start from.
     with torch.device("meta"):
         model = Transformer(job.model)
     model.to_empty(device=info.device)
@@ -82,7 +86,8 @@ def build_evaluators(job: JobConfig, tokenizer, info: DistInfo) -> list[Evaluato
 
     validation: every rank evaluates its share of the held-out batches (validation_loss all-reduces
     the sums); bytes per token for bits per byte is measured once, here, on the held-out text.
-    lm-eval: rank 0 alone, on the plain model (no DDP collectives inside lm-eval)."""
+    lm-eval: rank 0 alone, on the plain model (no DDP collectives inside lm-eval; under FSDP2 the
+    Trainer gathers a full replica to rank 0 for it)."""
     ecfg, tcfg = job.eval, job.train
     evaluators = []
     if ecfg.interval:

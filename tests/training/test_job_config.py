@@ -36,6 +36,7 @@ def test_paper_experiment_is_the_papers_recipe():
     t = job.train
     assert (t.global_batch_tokens, t.seq_len, t.steps, t.grad_clip) == (1_048_576, 2048, 30_000, 1.0)
     assert t.grad_accum(world_size=8) == 8
+    assert t.parallel == "ddp"
     s = job.sparsity
     assert (s.l1_coef, s.reinit_dead, s.reinit_lambda, s.reinit_sigma) == (2e-5, True, 0.1, 0.02)
     assert job.data.hf_name == "HuggingFaceTB/smollm-corpus"
@@ -60,6 +61,7 @@ def test_unknown_preset_names_the_choices():
         ("train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
         ("logging.wandb_mode=maybe", "logging.wandb_mode='maybe'"),
         ("sparsity.reinit_lambda=2", "reinit_lambda=2"),
+        ("train.parallel=zero", "train.parallel='zero' is not one of \\('ddp', 'fsdp'\\)"),
         ("train.no_such_key=1", "no_such_key"),
     ],
 )

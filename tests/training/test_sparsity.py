@@ -1,6 +1,6 @@
 """Sparsity in the loop: L1 coefficient schedule, activity and dead-unit bookkeeping on constructed
-patterns, gate-row re-initialisation (exact rows, right statistics, identical on 2 gloo ranks), and
-a real tiny run that a strong L1 makes sparser."""
+patterns, gate-row re-initialisation (exact rows, right statistics, identical on 2 gloo ranks, and
+under FSDP2 equal to the unsharded one), and a real tiny run that a strong L1 makes sparser."""
 
 import os
 import subprocess
@@ -116,6 +116,76 @@ def test_reinit_is_identical_on_two_gloo_ranks(tmp_path):
     assert torch.equal(rank0["dead"], rank1["dead"])
     assert rank0["dead"][:, :2].sum() == 0 and rank0["dead"][:, 2:].all()  # fires summed over ranks
     assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"]))
+
+
+class _Gates(torch.nn.Module):
+    """Two layers' gate weights, 63 units each: FSDP2 shards them 32 + 31 rows (uneven)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+        for layer in self.layers:
+            layer.w_gate = torch.nn.Parameter(torch.randn(63, 32) * 0.05)
+
+
+def _dead_set() -> torch.Tensor:
+    dead = torch.zeros(2, 63, dtype=torch.bool)
+    dead[0, ::3] = True
+    dead[0, 31:33] = True  # on both sides of the shard boundary
+    dead[1, [0, 62]] = True
+    return dead
+
+
+def _fsdp_reinit_on_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    gates = _Gates()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in gates.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(gates, mesh=mesh)
+    weights = [layer.w_gate for layer in gates.layers]
+    assert all(isinstance(w, DTensor) and w.to_local().shape[0] == (32, 31)[rank] for w in weights)
+    optimizer = torch.optim.AdamW(weights, foreach=True)
+    sum(w.square().sum() for w in weights).backward()
+    optimizer.step()  # DTensor AdamW moments exist now
+
+    def full() -> dict:
+        return {
+            "weights": [w.detach().full_tensor() for w in weights],
+            "moments": [
+                [optimizer.state[w][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")] for w in weights
+            ],
+        }
+
+    before = full()
+    counts = reinit_dead_gate_rows(
+        weights, _dead_set(), step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer
+    )
+    torch.save({"before": before, "after": full(), "counts": counts}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_reinit_under_fsdp_equals_the_unsharded_reinit(tmp_path):
+    """FSDP2 shards each gate weight (and its AdamW moments) by rows, i.e. by unit: each rank re-draws
+    the rows it holds from the same full noise, so the gathered result is the one-process result."""
+    mp.spawn(_fsdp_reinit_on_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    before, after, dead = rank0["before"], rank0["after"], _dead_set()
+    assert rank0["counts"].tolist() == [23, 2]
+    plain = [torch.nn.Parameter(w.clone()) for w in before["weights"]]
+    reinit_dead_gate_rows(plain, dead, step=7, seed=0, lam=0.1, sigma=0.02)
+    for layer, rows in enumerate(dead):
+        got, old = after["weights"][layer], before["weights"][layer]
+        assert torch.equal(got, plain[layer].detach())  # exactly the unsharded re-init
+        assert torch.equal((got != old).any(dim=1), rows)  # exactly the dead rows changed
+        assert torch.equal(rank1["after"]["weights"][layer], got)
+        for moment, old_moment in zip(after["moments"][layer], before["moments"][layer]):
+            assert torch.equal(moment, old_moment.masked_fill(rows.unsqueeze(1), 0.0))
 
 
 def test_strong_l1_makes_a_tiny_model_sparser(offline_data, tmp_path):

@@ -1,15 +1,20 @@
 """The training loop on the offline sample: loss falls, checkpoints resume bit-exactly (also after a
-SIGTERM), a corrupt checkpoint is refused for the previous one, and 2 DDP processes match 1."""
+SIGTERM, and under FSDP2), a corrupt checkpoint is refused for the previous one, and 2 DDP or 2
+FSDP2 processes match 1."""
 
+import gc
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from trainer_helpers import ROOT, compose_job, run_cli, run_job, tiny_overrides
 
 import train
@@ -137,16 +142,199 @@ def test_sigterm_saves_and_the_resumed_run_matches_the_unbroken_one(reference_ru
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 13))
 
 
-def test_two_ddp_processes_match_one(reference_run, offline_data, tmp_path):
-    overrides, _, ref_records = reference_run
-    steps = 6
-    two = run_cli([*overrides, f"train.steps={steps}", f"run_dir={tmp_path}"], torchrun=2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    one = run_job([*overrides, f"train.steps={steps}", f"run_dir={tmp_path / 'one'}"])
-    ddp = losses(read_jsonl(tmp_path / "metrics.jsonl"))
-    assert sorted(ddp) == list(range(1, steps + 1))
-    for step, loss in losses(one).items():
-        assert ddp[step] == pytest.approx(loss, rel=1e-5), step
+@pytest.fixture(scope="module")
+def parallel_runs(reference_run, tmp_path_factory):
+    """The reference recipe on 2 processes (torchrun, gloo) under DDP and under FSDP2: 12 steps of 512
+    tokens, i.e. 2 micro-batches per rank per step (4 in one process), so gradients first accumulate
+    without a sync; dead units are re-initialised from step 10; a checkpoint at 6 and 12, validation
+    at 6 and 12."""
+    overrides = [
+        *reference_run[0], "train.global_batch_tokens=512", "checkpoint.interval=6", "eval.interval=6",
+        "eval.val_batches=1",
+    ]  # fmt: skip
+    runs = {}
+    for parallel in ("ddp", "fsdp"):
+        run_dir = tmp_path_factory.mktemp(parallel)
+        done = run_cli([*overrides, f"train.parallel={parallel}", f"run_dir={run_dir}"], torchrun=2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[parallel] = {
+            "dir": run_dir,
+            "records": read_jsonl(run_dir / "metrics.jsonl"),
+            "out": done.stdout,
+        }
+    return overrides, runs
+
+
+def test_two_ddp_and_two_fsdp_processes_match_one(parallel_runs, tmp_path):
+    overrides, runs = parallel_runs
+    assert "(fp32, DDP), grad_accum 2" in runs["ddp"]["out"]
+    assert "(fp32, FSDP2), grad_accum 2" in runs["fsdp"]["out"]
+    one = {r["step"]: r for r in run_job([*overrides, f"run_dir={tmp_path}"])}  # grad_accum 4
+    assert sum(sum(r["reinit_units"]) for r in one.values()) > 0, "the test needs dead-unit re-inits"
+    for parallel, run in runs.items():
+        logged = {r["step"]: r for r in run["records"] if "loss" in r}
+        assert sorted(logged) == list(range(1, 13))
+        for step, want in one.items():
+            got = logged[step]
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (parallel, step)
+            # The global norm (over both ranks' shards under FSDP2), fp32 sums in another order.
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (parallel, step)
+            assert got["reinit_units"] == want["reinit_units"], (parallel, step)
+    # Validation runs the sharded model's forward on every rank (each evaluates its own batches).
+    val = {p: [r["val_loss"] for r in run["records"] if "val_loss" in r] for p, run in runs.items()}
+    assert len(val["fsdp"]) == 2 and val["fsdp"] == pytest.approx(val["ddp"], rel=1e-5)
+
+
+def test_fsdp_resume_gives_bit_identical_losses(parallel_runs, tmp_path):
+    # The step-6 checkpoint of the FSDP2 run, resumed by 2 FSDP2 processes with activation
+    # checkpointing on (the per-block wrapper goes on before fully_shard; it changes no number).
+    overrides, runs = parallel_runs
+    fsdp = runs["fsdp"]
+    shutil.copytree(fsdp["dir"] / "checkpoints" / "step_00000006", tmp_path / "checkpoints" / "step_00000006")
+    cli = [*overrides, "train.parallel=fsdp", "train.activation_checkpointing=true", f"run_dir={tmp_path}"]
+    done = run_cli(cli, torchrun=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = losses(fsdp["records"])
+    assert losses(read_jsonl(tmp_path / "metrics.jsonl")) == {step: reference[step] for step in range(7, 13)}
+
+
+def _full_state(trainer) -> dict:
+    """Model and optimizer state as plain full tensors keyed by parameter name (a collective under
+    FSDP2: the shards are all-gathered)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    model, optim = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    # Copies: some of these tensors are the live ones (e.g. AdamW's step), which training moves on.
+    copy = lambda d: {k: copy(v) if isinstance(v, dict) else v.clone() for k, v in d.items()}
+    return copy({"model": model, "optim": optim["state"]})
+
+
+def _trainers_on_rank(rank: int, world_size: int, port: int, overrides: list[str], out: str) -> None:
+    """One rank of the scenarios checked below: trainers built by train.build_trainer (as train.py
+    does) on a 2-process gloo group; rank 0 saves what it saw."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from torch.distributed.tensor import DTensor
+
+    from training.distributed import destroy
+    from training.trainer import Evaluator
+
+    def build(parallel: str, name: str, steps: int, *extra: str):
+        cli = [*overrides, f"train.steps={steps}", f"train.parallel={parallel}", f"run_dir={out}/{name}"]
+        return train.build_trainer(compose_job([*cli, *extra]))
+
+    seen = {}
+    try:
+        # DDP trains 2 steps and saves; FSDP2 resumes that checkpoint (DCP reshards it).
+        ddp = build("ddp", "ddp", 2, "checkpoint.save_final=true")
+        ddp.fit()
+        seen["after_ddp"] = _full_state(ddp)
+        resume = f"checkpoint.resume={out}/ddp/checkpoints/step_00000002"
+        fsdp = build("fsdp", "fsdp", 3, "checkpoint.save_final=true", resume)
+        model = fsdp.model
+        seen["sharded"] = isinstance(model.layers[0].ffn.w_gate, DTensor)
+        seen["tied"] = model.output_weight() is model.tok_embeddings.weight
+        seen["num_params"] = (model.num_params(), fsdp.job.model.num_params())
+        seen["resumed_step"] = fsdp.resume()
+        seen["fsdp_resumed"] = _full_state(fsdp)
+
+        # One more step, then a rank-0-only evaluation (lm-eval's kind): it gets a gathered replica.
+        replicas = []
+
+        def probe(net) -> dict:
+            replicas.append({k: v.clone() for k, v in net.state_dict().items()})
+            return {"probe": 1.0}
+
+        fsdp.evaluators = [Evaluator("probe", 3, probe, all_ranks=False)]
+        seen["fsdp_records"] = fsdp.fit()
+        seen["replicas"] = replicas
+        seen["after_fsdp"] = _full_state(fsdp)
+
+        # ... and the FSDP2 checkpoint back into DDP.
+        back = build("ddp", "back", 3, f"checkpoint.resume={out}/fsdp/checkpoints/step_00000003")
+        seen["back_step"] = back.resume()
+        seen["ddp_resumed"] = _full_state(back)
+
+        # The TwELL kernels (Triton; its interpreter on CPU) under DDP and under FSDP2: 2 steps of
+        # 2 micro-batches per rank.
+        for parallel in ("ddp", "fsdp"):
+            extra = ("model.ffn_impl=twell", "train.global_batch_tokens=512")
+            seen[f"twell_{parallel}"] = losses(build(parallel, f"twell_{parallel}", 2, *extra).fit())
+    finally:
+        gc.collect()  # DDP's reducer holds the process group (see train.py)
+        destroy()
+    if rank == 0:
+        torch.save(seen, os.path.join(out, "seen.pt"))
+
+
+@pytest.fixture(scope="module")
+def spawned_trainers(offline_data, tmp_path_factory):
+    """What rank 0 of _trainers_on_rank saw, with its output folder and overrides."""
+    out = tmp_path_factory.mktemp("spawned")
+    overrides = tiny_overrides(offline_data, out, 2, "sparsity=paper", "sparsity.l1_coef=0.05")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_trainers_on_rank, args=(2, port, overrides, str(out)), nprocs=2, join=True)
+    return out, overrides, torch.load(out / "seen.pt", weights_only=False)
+
+
+def _assert_equal_states(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        if isinstance(value, dict):
+            _assert_equal_states(got[key], value, f"{what}/{key}")
+        else:
+            assert torch.equal(got[key], value), f"{what}/{key}"
+
+
+def test_fsdp_shards_the_model_and_keeps_the_embedding_tied(spawned_trainers):
+    _, _, seen = spawned_trainers
+    assert seen["sharded"] and seen["tied"]
+    parameters, expected = seen["num_params"]
+    assert parameters == expected  # a DTensor's numel is the global size; the tied weight counts once
+
+
+def test_checkpoints_move_between_ddp_and_fsdp(spawned_trainers):
+    """Same world size, the other data-parallel mode: DCP reshards the model and AdamW state exactly."""
+    _, _, seen = spawned_trainers
+    assert seen["resumed_step"] == 2 and seen["back_step"] == 3
+    _assert_equal_states(seen["fsdp_resumed"], seen["after_ddp"], "ddp -> fsdp")
+    _assert_equal_states(seen["ddp_resumed"], seen["after_fsdp"], "fsdp -> ddp")
+
+
+def test_rank0_evaluation_under_fsdp_gets_a_gathered_replica(spawned_trainers):
+    _, _, seen = spawned_trainers
+    assert {"step": 3, "probe": 1.0} in seen["fsdp_records"]
+    (replica,) = seen["replicas"]
+    model = seen["after_fsdp"]["model"]
+    _assert_equal_states({k: replica[k] for k in model}, model, "replica")
+
+
+def test_an_fsdp_checkpoint_loads_into_one_plain_model(spawned_trainers):
+    """eval.load (scripts/hf.py export, scripts/eval.py) reads an FSDP2 checkpoint into one plain
+    model: DCP reassembles the shards."""
+    from eval.load import load_dcp_model
+
+    out, overrides, seen = spawned_trainers
+    net = load_dcp_model(out / "fsdp" / "checkpoints" / "step_00000003", compose_job(overrides).model)
+    model = seen["after_fsdp"]["model"]
+    _assert_equal_states({k: v for k, v in net.state_dict().items() if k in model}, model, "export")
+
+
+def test_twell_ffn_trains_under_fsdp_like_under_ddp(spawned_trainers):
+    """model.ffn_impl=twell: the Triton kernels (on CPU through the interpreter: tests/conftest.py sets
+    TRITON_INTERPRET=1) get the weights FSDP2 gathered for the block."""
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    _, _, seen = spawned_trainers
+    ddp, fsdp = seen["twell_ddp"], seen["twell_fsdp"]
+    assert sorted(fsdp) == [1, 2]
+    for step, loss in ddp.items():
+        assert fsdp[step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_validation_record_equals_eval_validation_loss(offline_data, tmp_path):

@@ -64,8 +64,8 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to the global gradient norm (over every rank's shard under FSDP2); returns that norm as
-    a plain tensor. With DTensor gradients the norm clip_grad_norm_ computes is a DTensor already
-    reduced over the shards; full_tensor() makes it a plain tensor (no communication)."""
+    a plain tensor. With DTensor gradients clip_grad_norm_ reduces the per-shard norms over the
+    ranks itself and returns a replicated DTensor; full_tensor() makes it a plain tensor."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels, baselines, fidelity, sweep, gputests, decode
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -104,6 +104,37 @@ stage_gputests() {
 stage_decode() {
   python3 scripts/bench_ffn.py --tokens 1 4 16 64 --d-ff 5632 8192 --out "$OUT/bench_decode.json" 2>&1 \
     | tee "$OUT/bench_decode.txt"
+}
+
+# Data parallelism on 2+ GPUs (NCCL): the fidelity model for a few steps under DDP and FSDP2 (same
+# tokens: losses should agree to bf16 noise, FSDP2's peak memory lower), and FSDP2 with the TwELL
+# training op in every layer.
+stage_dist() {
+  local RUNS=${RUNS:-/tmp/twell_runs} gpus
+  gpus=${DIST_PROCS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+  [ "$gpus" -ge 2 ] || { echo "stage dist needs 2+ GPUs (found $gpus)"; return 1; }
+  local common="experiment=fidelity train.steps=${DIST_STEPS:-20} train.global_batch_tokens=65536 train.micro_batch=16
+    train.compile=false optim.warmup_steps=10 logging.log_interval=5 eval.interval=${DIST_STEPS:-20} eval.val_batches=4
+    checkpoint.interval=0 checkpoint.save_final=false checkpoint.resume=none"
+  mkdir -p "$OUT/dist" "$RUNS"
+  for run in "ddp:train.parallel=ddp" "fsdp:train.parallel=fsdp" "fsdp_twell:train.parallel=fsdp model.ffn_impl=twell"; do
+    name=gpu_${run%%:*}
+    timeout "${DIST_SECONDS:-90}" torchrun --standalone --nproc_per_node "$gpus" train.py $common ${run#*:} \
+      run_name=$name run_dir="$RUNS/$name" ${DIST_ARGS:-} > "$RUNS/$name.log" 2>&1
+    echo "$name: exit $?"; tr '\r' '\n' < "$RUNS/$name.log" | grep -E "FSDP2|DDP|grad_accum|Error|error" | head -4
+    cp "$RUNS/$name/metrics.jsonl" "$OUT/dist/${name}_metrics.jsonl" 2>/dev/null
+  done
+  (cd "$RUNS" && python3 "$OLDPWD/scripts/compare_runs.py" gpu_ddp gpu_fsdp gpu_fsdp_twell) | tee "$OUT/dist/compare.txt"
+  python3 - "$OUT/dist" <<'PY'
+import json, sys, pathlib
+for name in ("gpu_ddp", "gpu_fsdp", "gpu_fsdp_twell"):
+    path = pathlib.Path(sys.argv[1]) / f"{name}_metrics.jsonl"
+    if not path.exists():
+        continue
+    rows = [json.loads(line) for line in path.read_text().splitlines() if '"ce"' in line]
+    print(name, [(r["step"], round(r["loss"], 4), round(r.get("grad_norm") or 0.0, 3)) for r in rows],
+          "peak GiB", round(rows[-1].get("peak_mem_gib") or 0.0, 2), "tok/s", round(rows[-1].get("tokens_per_s") or 0))
+PY
 }
 
 for stage in "${@:-kernels}"; do

@@ -21,15 +21,9 @@ import triton
 import triton.language as tl
 
 from ._common import check_ffn_args, check_kernel_device, interpreting, next_pow2
-from .decode import FUSED_MAX_M, fused_decode_ffn
 from .gate import twell_gate, twell_gate_hot
 
-SCHEDULES = ("row", "fused")
-
-# Decode sizes up to this many tokens take the fused single-kernel path (kernels/decode.py) when no
-# schedule is given on a GPU; 0 keeps the row schedule everywhere (set from the H200 measurement in
-# kernels/NOTES.md).
-FUSED_MAX_TOKENS = 0
+SCHEDULES = ("row",)
 
 
 class InferenceStats(NamedTuple):
@@ -298,9 +292,7 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row" or "fused" (one kernel, M <= 64: kernels/decode.py; no TwELL format, so slots,
-    tile_n, split and hot_units do not apply and no row can overflow); None: "fused" on a GPU up to
-    FUSED_MAX_TOKENS tokens, "row" otherwise. slots / tile_n: TwELL format (see kernels.gate); split:
+    schedule: "row" (None: the default). slots / tile_n: TwELL format (see kernels.gate); split:
     programs per row of the consumer (None: several at decode sizes, where few rows must fill the GPU;
     1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS
     from HOT_MIN_TOKENS tokens on; ignored at decode sizes on a GPU). With return_stats=True returns
@@ -310,15 +302,5 @@ def twell_ffn_inference(
     check_kernel_device(x)
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    M = x.shape[0]
-    if schedule is None:
-        fused = M <= FUSED_MAX_TOKENS and not interpreting() and all(v is None for v in (slots, tile_n, split))
-        schedule = "fused" if fused and not hot_units else "row"
-    if schedule == "fused":
-        if M > FUSED_MAX_M:
-            raise ValueError(f"schedule='fused' takes at most {FUSED_MAX_M} tokens (got {M}); use 'row'")
-        y = fused_decode_ffn(x, w_gate, w_up, w_down)
-        stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
-    else:
-        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
+    y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y

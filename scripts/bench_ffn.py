@@ -8,8 +8,7 @@
     python scripts/bench_ffn.py --mode train                     # training kernels (scripts/bench_train.py)
 
 Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
-hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64)
-plus 'fused', the single-kernel decode path (kernels/decode.py; its 'sparse' column is FFN - TwELL gate).
+hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64).
 'hgate' = the hot-split gate alone (dense pass + sample + top-K + compaction), 'hmm' = the two hot
 GEMMs; 'sparse' = FFN - gate - hmm, with the GB/s the weight rows of the cold pairs would need if no two
 tokens shared one. Every configuration is checked row by row against a float32 reference (max
@@ -98,7 +97,7 @@ def bench_one(inputs, args, compiled) -> list[dict]:
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
         if M <= DECODE_MAX_TOKENS:
-            variants = [dict(split=s) for s in args.decode_splits] + [dict(schedule="fused")]
+            variants = [dict(split=s) for s in args.decode_splits]
         else:
             variants = [dict(hot_units=k) for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
@@ -118,7 +117,7 @@ def bench_one(inputs, args, compiled) -> list[dict]:
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
-            name = f"hot{K}" if "hot_units" in kw else ("fused" if "schedule" in kw else f"s{kw['split']}")
+            name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
             rows.append(
                 dict(
                     tokens=M,

@@ -96,8 +96,7 @@ stage_sweep() {
   done
 }
 
-# GPU-marked tests only (correctness at real sizes), and the decode sizes of bench_ffn (row schedule
-# with its split consumer vs the fused single-kernel path) under CUDA graphs.
+# GPU-marked tests only (correctness at real sizes), and the decode sizes of bench_ffn under CUDA graphs.
 stage_gputests() {
   python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
 }

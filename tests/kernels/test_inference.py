@@ -73,35 +73,6 @@ def test_hot_units_with_forced_overflow_and_all_hot(hot, poisoned_empty):
         assert int(stats.overflow_rows) >= 2  # 256 cold units fire on the dense rows: 4 slots overflow
 
 
-@pytest.mark.parametrize(
-    "M,D,F,dtype",
-    [(1, 128, 320, torch.bfloat16), (5, 64, 192, torch.float32), (16, 128, 256, torch.bfloat16),
-     (37, 64, 128, torch.float32)],
-)  # fmt: skip
-def test_fused_decode_matches_reference_on_hard_patterns(M, D, F, dtype, poisoned_empty):
-    """The single-kernel decode path: dense, silent and heavy-tailed rows and an always-firing tile, odd M
-    (padded to the 16-row tensor-core tile), d_ff not a power of two; nothing to overflow."""
-    seed = int(torch.randint(0, 2**31, ()).item())
-    x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="fused", return_stats=True)
-    assert y.dtype == dtype and y.shape == x.shape and not torch.isnan(y).any()
-    err, _ = _row_errors(y, x, wg, wu, wd)
-    assert err.max() < ROW_TOL[dtype], f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
-    assert int(stats.overflow_rows) == 0
-    # same numbers as the row schedule up to fp32 summation order
-    y_row = twell_ffn_inference(x, wg, wu, wd, schedule="row")
-    assert torch.allclose(y.float(), y_row.float(), rtol=2 * ROW_TOL[dtype], atol=1e-3 * float(y_row.abs().max()))
-
-
-def test_fused_decode_silent_slices_and_limits():
-    x, wg, wu, wd = paper_like_ffn_inputs(3, 64, 128, mean_active=3.0, dtype=torch.float32, seed=1)
-    make_rows_silent(x, slice(None))
-    assert torch.equal(twell_ffn_inference(x, wg, wu, wd, schedule="fused"), torch.zeros_like(x))
-    big = torch.randn(65, 64)
-    with pytest.raises(ValueError, match="at most 64 tokens"):
-        twell_ffn_inference(big, wg, wu, wd, schedule="fused")
-
-
 def test_inference_all_zero_activity_gives_zero(poisoned_empty):
     x, wg, wu, wd = paper_like_ffn_inputs(5, 64, 128, mean_active=3.0, dtype=torch.float32, seed=0)
     make_rows_silent(x, slice(None))
@@ -118,17 +89,6 @@ def test_inference_rejects_bad_arguments():
         twell_ffn_inference(x, w, w, w, schedule="fast")
     with pytest.raises(ValueError, match="w_up is on"):
         twell_ffn_inference(x, w, w.to("meta"), w)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 16, 64])
-def test_fused_decode_at_paper_size(M):
-    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
-    make_rows_dense(x, [M // 2])
-    y = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
-    ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
-    err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
-    assert err.max() < 1e-2
 
 
 @pytest.mark.gpu

@@ -102,18 +102,25 @@ class TwellLM(TemplateLM):
                 rows.append(row)
                 spans.append((len(row) - len(continuation), len(row)))
             logprobs = self._logprobs(rows)
+            # Scores stay on the device until the whole chunk is done: one host copy per chunk, not
+            # two syncs per answer choice.
+            pending, totals, greedies = [], [], []
             for (request, context, continuation), (start, end), row_lp in zip(chunk, spans, logprobs):
                 scores = row_lp[start:end].unsqueeze(0)  # [1, len(cont), V]
                 for request_i, cont_i, scores_i in collator.get_cache(
                     req_str=request, cxt_toks=context, cont_toks=continuation, logits=scores
                 ):
                     target = torch.tensor(cont_i, device=scores_i.device).unsqueeze(0)
-                    greedy = bool((scores_i.argmax(-1) == target).all())
-                    total = float(scores_i.gather(-1, target.unsqueeze(-1)).sum())
-                    results.append((total, greedy))
+                    greedies.append((scores_i.argmax(-1) == target).all())
+                    totals.append(scores_i.gather(-1, target.unsqueeze(-1)).sum())
+                    pending.append(request_i)
+            if pending:
+                host = torch.stack([torch.stack(totals).double(), torch.stack(greedies).double()]).tolist()
+                for request_i, total, greedy in zip(pending, host[0], host[1]):
+                    results.append((total, bool(greedy)))
                     if request_i is not None:
-                        self.cache_hook.add_partial("loglikelihood", request_i, (total, greedy))
-                    progress.update(1)
+                        self.cache_hook.add_partial("loglikelihood", request_i, (total, bool(greedy)))
+                progress.update(len(pending))
         progress.close()
         return collator.get_original(results)
 

@@ -202,8 +202,13 @@ def main(argv=None):
         compiled = torch.compile(dense_ffn) if args.compile else None
         rows = []
         if args.activations:
-            blob = torch.load(args.activations, map_location="cuda")
-            inputs = [blob[k].to(torch.bfloat16).contiguous() for k in ("x", "w_gate", "w_up", "w_down")]
+            # The dump's loader (and its checks: keys, layouts, shapes, each error naming the fix).
+            from scripts.bench_train import BadActivations, load_activations
+
+            try:
+                inputs = load_activations(args.activations, dtype=torch.bfloat16, device="cuda")
+            except BadActivations as err:
+                sys.exit(f"error: {err}")
             rows += bench_one(inputs, args, compiled)
             print_table(rows)
         else:

@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 stage_kernels() {
-  python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+  stage_gputests
   python3 scripts/bench_gate.py --out "$OUT/bench_gate.json" 2>&1 | tee "$OUT/bench_gate.txt"
   python3 scripts/bench_ffn.py --d-ff 5632 --out "$OUT/bench_ffn.json" 2>&1 | tee "$OUT/bench_ffn.txt"
-  python3 scripts/bench_ffn.py --tokens 1 64 131072 --d-ff 8192 --schedules row --out "$OUT/bench_ffn_8192.json" 2>&1 | tee "$OUT/bench_ffn_8192.txt"
+  python3 scripts/bench_ffn.py --tokens 1 64 131072 --d-ff 8192 --out "$OUT/bench_ffn_8192.json" 2>&1 | tee "$OUT/bench_ffn_8192.txt"
   python3 scripts/bench_train.py --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.txt"
 }
 
@@ -37,43 +37,30 @@ stage_baselines() {
   done
 }
 
-# Issue 5's fidelity run: dense and L1 2e-5 (+ dead-unit re-init) on the same tokens, one GPU each
-# (FIDELITY_SECOND_GPU=0 shares one), then the sparse model's activity and the TwELL kernels timed on
-# its real FFN inputs. Big files (checkpoints, dumps) stay in $RUNS; summaries go to $OUT.
+# Issue 5's fidelity pair (scripts/sweeps/fidelity_pair.txt) through the sweep stage: both runs, the
+# comparison, plots, and the sparse model's activity and real FFN inputs with the kernels timed on
+# layers 00, 05 and 11. SWEEP_ARGS still adds overrides to both runs.
 stage_fidelity() {
-  [ -d offline/corpus ] || { echo "offline/corpus missing: run scripts/build_corpus.py and carry it"; return 1; }
-  RUNS=${RUNS:-/tmp/twell_runs}; mkdir -p "$RUNS"
-  CUDA_VISIBLE_DEVICES=0 python3 train.py experiment=fidelity sparsity=dense run_name=fid_dense \
-    run_dir="$RUNS/fid_dense" ${FIDELITY_ARGS:-} > "$RUNS/fid_dense.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=${FIDELITY_SECOND_GPU:-1} python3 train.py experiment=fidelity sparsity=paper \
-    run_name=fid_sparse run_dir="$RUNS/fid_sparse" ${FIDELITY_ARGS:-} > "$RUNS/fid_sparse.log" 2>&1 &
-  wait
-  for run in fid_dense fid_sparse; do
-    tr '\r' '\n' < "$RUNS/$run.log" | grep -E "^(training|step [0-9]+:)" | awk 'NR==1 || /step [0-9]*00:/' | tail -12
-    cp "$RUNS/$run/metrics.jsonl" "$OUT/${run}_metrics.jsonl"
-    python3 scripts/plot_activity.py "$RUNS/$run" --out "$OUT/${run}_activity.png"
-  done
-  python3 scripts/activity.py checkpoint="$RUNS/fid_sparse/checkpoints" --val-rows 64 --data corpus \
-    --out "$RUNS/fid_sparse_text" --dump-ffn-inputs "$RUNS/fid_sparse_ffn.pt" --layers all 2>&1 | tail -30
-  cp "$RUNS/fid_sparse_text.png" "$OUT/fid_sparse_text_activity.png"; cp "$RUNS/fid_sparse_text.json" "$OUT/"
-  for layer in 00 05 11; do
-    python3 scripts/bench_ffn.py --activations "$RUNS/fid_sparse_ffn.layer$layer.pt" --no-compile 2>&1 | tail -4
-  done | tee "$OUT/bench_real_activations.txt"
+  SWEEP=scripts/sweeps/fidelity_pair.txt SWEEP_DUMP=${SWEEP_DUMP:-fid_sparse} SWEEP_LAYERS=${SWEEP_LAYERS:-00 05 11} \
+    stage_sweep
 }
 
 # A set of training runs side by side, several per GPU: SWEEP names a file of lines
-# "name gpu overrides..." (scripts/sweeps/); every run gets experiment=fidelity, SWEEP_ARGS and its own
+# "name gpu overrides..." (scripts/sweeps/; gpu is taken modulo the node's GPU count, so a spec for
+# two GPUs also runs on one); every run gets experiment=fidelity, SWEEP_ARGS and its own
 # overrides, and at most SWEEP_SECONDS of wall time. Then a comparison table (scripts/compare_runs.py),
 # each run's activity plot, and for each run in SWEEP_DUMP its activity on held-out text with its FFN
 # inputs dumped ($RUNS) and the TwELL kernels timed on layers SWEEP_LAYERS of them.
 stage_sweep() {
   [ -d offline/corpus ] || { echo "offline/corpus missing: run scripts/build_corpus.py and carry it"; return 1; }
   local spec=${SWEEP:-scripts/sweeps/fidelity_sparsity.txt} RUNS=${RUNS:-/tmp/twell_runs} names=()
+  local gpus
+  gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
   mkdir -p "$RUNS" "$OUT/sweep"
   while read -r name gpu overrides; do
     case "$name" in ''|'#'*) continue ;; esac
     names+=("$name")
-    CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM "${SWEEP_SECONDS:-450}" python3 train.py experiment=fidelity \
+    CUDA_VISIBLE_DEVICES=$((gpu % gpus)) timeout --signal=TERM "${SWEEP_SECONDS:-450}" python3 train.py experiment=fidelity \
       run_name="$name" run_dir="$RUNS/$name" ${SWEEP_ARGS:-} $overrides > "$RUNS/$name.log" 2>&1 &
   done < "$spec"
   wait

@@ -6,9 +6,11 @@
     python scripts/bench_ffn.py --compile --d-ff 5632 8192      # + torch.compile'd dense, more shapes
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
     python scripts/bench_ffn.py --mode train                     # training kernels (scripts/bench_train.py)
+    python scripts/bench_ffn.py --quick --profile                # + per-kernel GPU times of each variant
 
 Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
-hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64).
+hot-unit count K (M > 64; K = 0 is the pure row schedule) or, at decode sizes (M <= 64), the decode
+schedule and the row schedule at each consumer split.
 'hgate' = the hot-split gate alone (dense pass + sample + top-K + compaction), 'hmm' = the two hot
 GEMMs; 'sparse' = FFN - gate - hmm, with the GB/s the weight rows of the cold pairs would need if no two
 tokens shared one. Every configuration is checked row by row against a float32 reference (max
@@ -35,10 +37,13 @@ from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 GRAPH_MAX_TOKENS = 64
 
 
-def write_results(path: str, rows: list[dict]) -> None:
-    """The JSON every bench script writes: the GPU's name and one dict per measurement."""
+def write_results(path: str, rows: list[dict], **extra) -> None:
+    """The JSON every bench script writes: the GPU's name, one dict per measurement, and any extra
+    non-None sections (e.g. per-kernel profiles)."""
+    doc = {"device": torch.cuda.get_device_name(), "rows": rows}
+    doc.update({k: v for k, v in extra.items() if v is not None})
     with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump(doc, f, indent=1)
     print(f"wrote {path}")
 
 
@@ -60,6 +65,45 @@ def timed(fn, use_graph: bool, rep_ms: int) -> float:
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
 
 
+def kernel_times(fn) -> tuple[list[dict], float]:
+    """The GPU kernels one call of fn() launches, in launch order, with their times (torch.profiler),
+    and the wall ms of one unprofiled call from launch to synchronize (GPU time + launch gaps)."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append(1e3 * (time.perf_counter() - t0))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [
+        {"kernel": e.name, "us": e.time_range.elapsed_us(), "start": e.time_range.start}
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+    kernels.sort(key=lambda k: k["start"])
+    return [{"kernel": k["kernel"], "us": k["us"]} for k in kernels], sorted(walls)[len(walls) // 2]
+
+
+def print_kernel_times(title: str, kernels: list[dict], wall_ms: float, min_us: float = 0.0) -> None:
+    total = sum(k["us"] for k in kernels)
+    print(
+        f"\n{title}: {len(kernels)} kernels, {total / 1e3:.3f} ms of GPU time, "
+        f"{wall_ms:.3f} ms wall (launch to synchronize, median of 5)"
+    )
+    for k in kernels:
+        if k["us"] >= min_us:
+            print(f"  {k['us']:8.1f} us  {k['kernel'][:90]}")
+
+
 def row_errors(y, x, w_gate, w_up, w_down) -> torch.Tensor:
     ref = dense_ffn(*(t.float() for t in (x, w_gate, w_up, w_down)))
     return (y.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
@@ -72,10 +116,11 @@ def gate_call(x, w_gate):
     return twell_gate(x, w_gate)
 
 
-def bench_one(inputs, args, compiled) -> list[dict]:
+def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict]:
     x, w_gate, w_up, w_down = inputs
     M, D = x.shape
     F = w_gate.shape[0]
+    profiles = [] if profiles is None else profiles
     graph = M <= GRAPH_MAX_TOKENS
     # Rotate copies of x when everything fits in L2, so the dense path cannot run from a warm cache.
     copies = [x] + [x.clone() for _ in range(3)] if M <= 4096 else [x]
@@ -97,7 +142,7 @@ def bench_one(inputs, args, compiled) -> list[dict]:
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
         if M <= DECODE_MAX_TOKENS:
-            variants = [dict(split=s) for s in args.decode_splits]
+            variants = [dict(schedule="decode")] + [dict(schedule="row", split=s) for s in args.decode_splits]
         else:
             variants = [dict(hot_units=k) for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
@@ -117,7 +162,13 @@ def bench_one(inputs, args, compiled) -> list[dict]:
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
-            name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
+            name = (
+                f"hot{K}" if "hot_units" in kw else kw["schedule"] if "split" not in kw else f"s{kw['split']}"
+            )
+            if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
+                kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
+                print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
+                profiles.append(dict(tokens=M, d_ff=F, variant=name, wall_ms=wall, kernels=kernels))
             rows.append(
                 dict(
                     tokens=M,
@@ -185,6 +236,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")
     p.add_argument("--no-compile", action="store_true", help="--mode train: skip the compiled dense baseline")
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call of each variant")
     p.add_argument("--out", default="bench_ffn.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -200,7 +252,7 @@ def main(argv=None):
             args.tokens, args.d_ff, args.rep = [1, 64, 16384, 131072], [5632], 25
             args.hot_units = [0, 512]
         compiled = torch.compile(dense_ffn) if args.compile else None
-        rows = []
+        rows, profiles = [], []
         if args.activations:
             # The dump's loader (and its checks: keys, layouts, shapes, each error naming the fix).
             from scripts.bench_train import BadActivations, load_activations
@@ -209,18 +261,18 @@ def main(argv=None):
                 inputs = load_activations(args.activations, dtype=torch.bfloat16, device="cuda")
             except BadActivations as err:
                 sys.exit(f"error: {err}")
-            rows += bench_one(inputs, args, compiled)
+            rows += bench_one(inputs, args, compiled, profiles)
             print_table(rows)
         else:
             for F in args.d_ff:
                 for M in args.tokens:
                     inputs = paper_like_ffn_inputs(M, args.d_model, F, device="cuda", seed=M + F)
-                    new = bench_one(inputs, args, compiled)
+                    new = bench_one(inputs, args, compiled, profiles)
                     print_table(new)
                     rows += new
                     del inputs
                     torch.cuda.empty_cache()
-    write_results(args.out, rows)
+    write_results(args.out, rows, profiles=profiles if args.mode == "inference" and args.profile else None)
 
 
 if __name__ == "__main__":

@@ -195,29 +195,13 @@ def mark_ok(rows: list[dict]) -> None:
 
 def _profile(leaves, grad_y, variant: str) -> list[dict]:
     """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from scripts.bench_ffn import kernel_times, print_kernel_times
 
     set_backward_variant(variant)
-    _step(_twell_y_l1, leaves, grad_y)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(_twell_y_l1, leaves, grad_y)
-        torch.cuda.synchronize()
-    kernels = [
-        {"kernel": e.name, "us": e.time_range.elapsed_us(), "start": e.time_range.start}
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
-    kernels.sort(key=lambda k: k["start"])
-    total = sum(k["us"] for k in kernels)
-    print(
-        f"\nTwELL step, backward variant {variant}: {len(kernels)} kernels, {total / 1e3:.3f} ms of GPU time"
-    )
-    for k in kernels:
-        if k["us"] >= 5:  # the dozens of tiny glue kernels are summed in the total
-            print(f"  {k['us']:8.1f} us  {k['kernel'][:90]}")
-    return [{"variant": variant, "kernel": k["kernel"], "us": k["us"]} for k in kernels]
+    kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
+    # the dozens of tiny glue kernels are summed in the total
+    print_kernel_times(f"TwELL step, backward variant {variant}", kernels, wall, min_us=5)
+    return [{"variant": variant, "wall_ms": wall, **k} for k in kernels]
 
 
 def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode dist
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode profile dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -90,6 +90,15 @@ stage_gputests() {
 stage_decode() {
   python3 scripts/bench_ffn.py --tokens 1 4 16 64 --d-ff 5632 8192 --out "$OUT/bench_decode.json" 2>&1 \
     | tee "$OUT/bench_decode.txt"
+}
+
+# Where the time goes: per-kernel GPU times and wall time of one call of each inference variant
+# (decode, 16k and 131k tokens) and of one training step at 16k tokens.
+stage_profile() {
+  python3 scripts/bench_ffn.py --tokens 1 64 16384 131072 --hot-units 0 512 --rep 25 --profile \
+    --out "$OUT/profile_ffn.json" 2>&1 | tee "$OUT/profile_ffn.txt"
+  python3 scripts/bench_train.py --quick --no-compile --profile --out "$OUT/profile_train.json" 2>&1 \
+    | tee "$OUT/profile_train.txt"
 }
 
 # Data parallelism on 2+ GPUs (NCCL): the fidelity model for a few steps under DDP and FSDP2 (same

@@ -4,8 +4,9 @@ Schedule: one program per token row walks its TwELL entries on CUDA cores, gathe
 w_down[j] for each active unit (the paper's reference schedule); overflow tiles (more positives than
 slots) are recomputed densely from x and w_gate inside the program.
 
-Hot units (large batches, `hot_units=K`): the K units that fire most often in this batch (chosen on
-the GPU from a row sample of the dense gate buffer) are computed densely on tensor cores,
+Hot units (large batches, `hot_units=K`): the K units that fire most often in this batch (counted
+exactly in the gate GEMM's epilogue, chosen by one selection kernel on the GPU) are computed densely
+on tensor cores,
 y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]; the compaction leaves those columns out of the
 TwELL entries and counts, and the row consumer starts from y_hot. Exact for any choice of hot set.
 (The "block" union schedule lost everywhere on the H200 and was removed.)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode profile dist
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode profile hot dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -99,6 +99,12 @@ stage_profile() {
     --out "$OUT/profile_ffn.json" 2>&1 | tee "$OUT/profile_ffn.txt"
   python3 scripts/bench_train.py --quick --no-compile --profile --out "$OUT/profile_train.json" 2>&1 \
     | tee "$OUT/profile_train.txt"
+}
+
+# Where the hot-unit split starts to pay: row schedule with K = 0 / 512 / 1024 dense hot units.
+stage_hot() {
+  python3 scripts/bench_ffn.py --tokens 4096 8192 16384 32768 65536 131072 --hot-units 0 512 1024 --rep 25 \
+    --out "$OUT/bench_hot.json" 2>&1 | tee "$OUT/bench_hot.txt"
 }
 
 # Data parallelism on 2+ GPUs (NCCL): the fidelity model for a few steps under DDP and FSDP2 (same

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import twell_gate
-from kernels.gate import set_gate_variant, twell_gate_hot
+from kernels.gate import select_hot_units, set_gate_variant, twell_gate_hot
 from kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
 
 
@@ -140,3 +140,27 @@ def test_hot_gate_splits_columns_exactly(M, F, K, compact, poisoned_empty):
     cold[hot.hot_idx] = False
     assert bool((hot.hot_pos[hot.hot_idx] == torch.arange(K)).all()) and bool((hot.hot_pos[cold] == -1).all())
     _check_format(x, wg, hot.gate, exclude=~cold)
+    # The hot set is the K most frequent units of the whole batch (exact counts from the GEMM epilogue).
+    fires, near_zero = (pre > 0).sum(0), (pre.abs() < 1e-4).sum(0)  # fp32 may flip a sign near zero
+    if K < F:
+        assert int((fires + near_zero)[hot.hot_idx].min()) >= int((fires - near_zero)[cold].max())
+
+
+@pytest.mark.parametrize("F,K", [(128, 1), (192, 37), (320, 320), (1000, 64)])
+def test_select_hot_units_takes_the_k_largest_counts_lowest_column_first(F, K, poisoned_empty):
+    """Heavy ties (counts from a tiny range) and all-equal counts: exactly K units, every unit above the
+    K-th count, ties broken by lower column, hot_idx ascending, hot_pos its inverse."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    for fires in (
+        torch.randint(0, 5, (F,), generator=gen),
+        torch.full((F,), 7),
+        torch.randint(0, 10**6, (F,), generator=gen),
+    ):
+        fires = fires.to(torch.int32)
+        hot_idx, hot_pos = select_hot_units(fires, K)
+        # reference: stable sort by count descending, then lower column first
+        order = sorted(range(F), key=lambda c: (-int(fires[c]), c))[:K]
+        assert hot_idx.tolist() == sorted(order)
+        expect = torch.full((F,), -1, dtype=torch.int32)
+        expect[hot_idx] = torch.arange(K, dtype=torch.int32)
+        assert torch.equal(hot_pos, expect)

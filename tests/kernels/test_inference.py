@@ -82,6 +82,19 @@ def test_decode_schedule_matches_reference_on_hard_patterns(M, D, F, dtype, pois
     assert torch.equal(counts, (pre.view(M, -1, 32) > 0).sum(-1, dtype=torch.int32))
 
 
+def test_decode_schedule_without_tma_alignment(poisoned_empty):
+    """x starting 2 bytes into its buffer cannot be a TMA source: the decode GEMV takes pointer loads."""
+    from kernels.decode import _use_tma
+
+    x, wg, wu, wd = _hard_inputs(5, 64, 192, torch.bfloat16, seed=3)
+    x_odd = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x)
+    x_odd.copy_(x)
+    assert not _use_tma(x_odd, wg)
+    y = twell_ffn_inference(x_odd, wg, wu, wd)
+    err, _ = _row_errors(y, x, wg, wu, wd)
+    assert err.max() < ROW_TOL[torch.bfloat16]
+
+
 def test_decode_schedule_rejects_row_knobs_and_large_batches():
     x, w = torch.randn(65, 64), torch.randn(128, 64)
     with pytest.raises(ValueError, match="at most 64 tokens"):

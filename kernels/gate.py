@@ -168,15 +168,11 @@ def _twell_epilogue(
     cols_ptr,
     vals_ptr,
     dense_ptr,
-    fires_ptr,
     SLOTS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    COUNT_FIRES: tl.constexpr,
 ):
-    """The old single-shot epilogue (EPILOGUE 1/2/3/4: dense, counts, twell_old, dense_bits).
-    COUNT_FIRES (dense / dense_bits): fires[c] += positives of column c in this tile's rows (exact
-    per-unit counts over the batch for the hot-unit choice; fires zeroed by the caller)."""
+    """The old single-shot epilogue (EPILOGUE 1/2/3/4: dense, counts, twell_old, dense_bits)."""
     row_ok = rows < M
     if EPILOGUE == 1 or EPILOGUE == 4:  # dense relu store: the cost of a plain GEMM's epilogue
         off = rows[:, None].to(tl.int64) * F + cols[None, :]
@@ -185,9 +181,6 @@ def _twell_epilogue(
             tl.maximum(pre, 0.0).to(dense_ptr.dtype.element_ty),
             mask=row_ok[:, None] & (cols[None, :] < F),
         )
-        if COUNT_FIRES:  # rows past M hold zeros (TMA) or clamped copies (pointer loads): masked
-            fired = ((pre > 0) & row_ok[:, None]).to(tl.int32)
-            tl.atomic_add(fires_ptr + cols, tl.sum(fired, axis=0), mask=cols < F, sem="relaxed")
         if EPILOGUE == 4:  # + bit c%32 of word [row, c // 32] set iff pre[row, c] > 0 (counts_ptr: [M, F/32])
             pos = ((pre > 0) & (cols[None, :] < F)).to(tl.uint32)
             lane = tl.arange(0, 32).to(tl.uint32)
@@ -222,7 +215,6 @@ def _twell_gate_kernel(
     cols_ptr,
     vals_ptr,
     dense_ptr,
-    fires_ptr,
     M,
     F,
     T,
@@ -241,7 +233,6 @@ def _twell_gate_kernel(
     OFF32: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
-    COUNT_FIRES: tl.constexpr,
 ):
     # x_src / w_src are tensor descriptors when TMA, else pointers. M_BUCKET only keys autotuning.
     # BLOCK_N is the format tile; the program walks it in BLOCK_N // SUB_N mainloop + compaction steps.
@@ -249,24 +240,22 @@ def _twell_gate_kernel(
     if PERSISTENT:  # GPU only: the interpreter cannot loop from a program id
         for tile_id in range(tl.program_id(0), n_tiles, NUM_PROGS):
             _gate_one_tile(
-                tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, fires_ptr, M, F, T, D,
-                SLOTS, BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
-                COUNT_FIRES,
+                tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
+                BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
             )  # fmt: skip
     else:
         _gate_one_tile(
-            tl.program_id(0), x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, fires_ptr, M, F, T, D,
-            SLOTS, BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
-            COUNT_FIRES,
+            tl.program_id(0), x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D, SLOTS,
+            BLOCK_M, BLOCK_N, SUB_N, BLOCK_K, GROUP_M, TMA, EPILOGUE, OFF32, DOT_FP32, PRECISION,
         )  # fmt: skip
 
 
 @triton.jit
 def _gate_one_tile(
-    tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, fires_ptr, M, F, T, D: tl.constexpr,
+    tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, EPILOGUE: tl.constexpr,
-    OFF32: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, COUNT_FIRES: tl.constexpr,
+    OFF32: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Grouped order: GROUP_M row blocks sweep all column tiles together, so the x rows of the group
     # and the weight tiles both stay in L2.
@@ -319,11 +308,9 @@ def _gate_one_tile(
             cols_ptr,
             vals_ptr,
             dense_ptr,
-            fires_ptr,
             SLOTS,
             EPILOGUE,
             BLOCK_N,
-            COUNT_FIRES,
         )
 
 
@@ -506,14 +493,19 @@ def _hot_bits(hot_pos: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
+def launch_compact_bits(
+    h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None, hot_bits=None
+) -> None:
     """TwELL format from h [M, F] and its positive bitmask bits [M, F // 32] (the dense_bits epilogue);
-    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled."""
+    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled (hot_bits: the hot
+    columns' word mask, derived from hot_pos when not given)."""
     M, F = h.shape
     T = cdiv(F, tile_n)
     hot = hot_pos is not None
+    if hot and hot_bits is None:
+        hot_bits = _hot_bits(hot_pos)
     args = (
-        h, bits, counts, cols, vals, hot_pos if hot else counts, _hot_bits(hot_pos) if hot else counts,
+        h, bits, counts, cols, vals, hot_pos if hot else counts, hot_bits if hot else counts,
         g_hot if hot else vals, M, F, g_hot.shape[1] if hot else 1, min(next_pow2(M), 1 << 17),
     )  # fmt: skip
     common = dict(
@@ -561,7 +553,6 @@ def _tuned_kernel(regime: str):
         _TUNED[regime] = triton.autotune(
             configs=_configs(regime),
             key=["M_BUCKET", "F", "D", "BLOCK_N", "SUB_N", "SLOTS", "TMA", "PERSISTENT", "EPILOGUE"],
-            reset_to_zero=["fires_ptr"],  # trials must not add into the caller's zeroed counts
         )(_twell_gate_kernel)
     return _TUNED[regime]
 
@@ -653,43 +644,42 @@ def launch_gate(
     _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense)
 
 
-def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots, fires=None):
+def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
     """Two-kernel path, first pass: dense relu GEMM into h; with compact "bits" (set_gate_variant, the
-    default) it also returns the positive bitmask [M, F // 32] for _compact_bits_kernel, else None.
-    fires (int32 [F], zeroed): also count each unit's positives over the batch."""
+    default) it also returns the positive bitmask [M, F // 32] for _compact_bits_kernel, else None."""
     M, F = h.shape
     if (_variant["compact"] or "bits") == "scan":
-        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h, fires)
+        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         return None
     bits = torch.empty((M, F // 32), dtype=torch.int32, device=h.device)
     try:
-        _launch_gemm(x, w_gate, bits, cols, vals, tile_n, slots, "dense_bits", h, fires)
+        _launch_gemm(x, w_gate, bits, cols, vals, tile_n, slots, "dense_bits", h)
     except Exception as e:  # a compile failure on a new GPU/Triton: stay correct on the old path
         warnings.warn(
             f"dense_bits gate epilogue failed ({type(e).__name__}: {e}); using compact='scan'", stacklevel=2
         )
         _variant["compact"] = "scan"
-        if fires is not None:
-            fires.zero_()  # the failed launch may have added some tiles
-        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h, fires)
+        _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         return None
     return bits
 
 
-def _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
+def _compact_pass(
+    h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None, hot_bits=None
+) -> None:
     if bits is None:
         launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
         return
     if g_hot is not None:
         g_hot.zero_()  # the bitmask kernel writes the hot positives only
-    launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
+    launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot, hot_bits)
 
 
 def _off32(M: int, F: int, tile_n: int, slots: int) -> bool:
     return (M + 256) * cdiv(F, tile_n) * slots < 2**31
 
 
-def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, fires=None) -> None:
+def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
@@ -718,10 +708,7 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, 
     num_progs = 1
     if persistent:
         num_progs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if fires is not None and epilogue not in ("dense", "dense_bits"):
-        raise ValueError(f"fire counts come from the dense epilogues, not {epilogue!r}")
-    placeholder = dense if dense is not None else vals
-    args = (x_src, w_src, counts, cols, vals, placeholder, fires if fires is not None else counts, M, F, T)
+    args = (x_src, w_src, counts, cols, vals, dense if dense is not None else vals, M, F, T)
     common = dict(
         D=D,
         SLOTS=slots,
@@ -735,7 +722,6 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, 
         OFF32=_off32(M, F, tile_n, slots),
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
-        COUNT_FIRES=fires is not None,
     )
     m_bucket = min(next_pow2(M), 1 << 17)
     if interpreting():
@@ -785,13 +771,44 @@ def twell_gate(
 
 
 @triton.jit
-def _select_hot_kernel(fires_ptr, hot_idx_ptr, hot_pos_ptr, F, K, BLOCK_F: tl.constexpr):
+def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr):
+    """fires[c] += positives of column c over this program's ROWS rows, from the positive bitmask
+    bits [M, W] (W = F / 32 int32 words, bit c % 32 of word c // 32) that the dense_bits epilogue wrote.
+    Reads 1/16 of h's bytes (92 MB at 131072 x 5632); one atomic per column per program."""
+    r0 = tl.program_id(0) * ROWS
+    ws = tl.program_id(1) * WB + tl.arange(0, WB)
+    w_ok = ws < W
+    lanes = tl.arange(0, 32).to(tl.uint32)
+    acc = tl.zeros((WB, 32), dtype=tl.int32)
+    for r in range(0, ROWS, RB):
+        rows = r0 + r + tl.arange(0, RB)
+        ok = (rows < M)[:, None] & w_ok[None, :]
+        words = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok, other=0)
+        words = words.to(tl.uint32, bitcast=True)
+        acc += tl.sum(((words[:, :, None] >> lanes[None, None, :]) & 1).to(tl.int32), axis=0)
+    cols = ws[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.atomic_add(fires_ptr + cols, acc, mask=w_ok[:, None], sem="relaxed")
+
+
+def count_fires(bits: torch.Tensor) -> torch.Tensor:
+    """int32 [F]: positives per column of the bitmask bits [M, F // 32]."""
+    M, W = bits.shape
+    fires = torch.zeros(W * 32, dtype=torch.int32, device=bits.device)
+    rows = 16 if interpreting() else 1024
+    rb, wb = (8, 8) if interpreting() else (16, 16)
+    _count_fires_kernel[(cdiv(M, rows), cdiv(W, wb))](bits, fires, M, W, ROWS=rows, RB=rb, WB=wb, num_warps=4)
+    return fires
+
+
+@triton.jit
+def _select_hot_kernel(fires_ptr, hot_idx_ptr, hot_pos_ptr, hot_bits_ptr, F, K, BLOCK_F: tl.constexpr):
     """One program: the K units with the most positives (ties broken by lower column), in column order.
 
     A binary search for the K-th largest count v (the largest v with at least K counts >= v), then every
     unit above v and the first K - (units above v) units equal to v. Writes hot_idx [K] (int64,
-    ascending) and hot_pos [F] (rank in hot_idx, -1 if cold). No host sync; replaces a sample + torch.topk
-    + sort (~20 small kernels, ~0.25 ms on an H200 at any batch size)."""
+    ascending), hot_pos [F] (rank in hot_idx, -1 if cold) and hot_bits [F / 32] (bit c % 32 of word
+    c // 32 set iff c is hot, for the bitmask compaction). No host sync; replaces a row sample +
+    torch.topk + sort + mask building (~25 small kernels, ~0.25 ms on an H200 at any batch size)."""
     offs = tl.arange(0, BLOCK_F)
     ok = offs < F
     c = tl.load(fires_ptr + offs, mask=ok, other=-1)
@@ -810,17 +827,24 @@ def _select_hot_kernel(fires_ptr, hot_idx_ptr, hot_pos_ptr, F, K, BLOCK_F: tl.co
     rank = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(hot_pos_ptr + offs, tl.where(take, rank, -1), mask=ok)
     tl.store(hot_idx_ptr + rank, offs.to(tl.int64), mask=take)
+    lanes = tl.arange(0, 32).to(tl.uint32)
+    shifted = tl.reshape(take.to(tl.uint32), (BLOCK_F // 32, 32)) << lanes[None, :]
+    words = tl.reduce(shifted, 1, _bit_or)
+    ws = tl.arange(0, BLOCK_F // 32)
+    tl.store(hot_bits_ptr + ws, words.to(tl.int32, bitcast=True), mask=ws < (F + 31) // 32)
 
 
-def select_hot_units(fires: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hot_idx int64 [K] ascending, hot_pos int32 [F]) of the K largest counts in fires (int32 [F])."""
+def select_hot_units(fires: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hot_idx int64 [K] ascending, hot_pos int32 [F], hot_bits int32 [ceil(F / 32)]) of the K largest
+    counts in fires (int32 [F]); see _select_hot_kernel."""
     F = fires.shape[0]
     hot_idx = torch.empty(K, dtype=torch.int64, device=fires.device)
     hot_pos = torch.empty(F, dtype=torch.int32, device=fires.device)
-    block_f = next_pow2(F)
+    hot_bits = torch.empty(cdiv(F, 32), dtype=torch.int32, device=fires.device)
+    block_f = max(32, next_pow2(F))
     warps = 4 if interpreting() else min(16, max(4, block_f // 1024))
-    _select_hot_kernel[(1,)](fires, hot_idx, hot_pos, F, K, BLOCK_F=block_f, num_warps=warps)
-    return hot_idx, hot_pos
+    _select_hot_kernel[(1,)](fires, hot_idx, hot_pos, hot_bits, F, K, BLOCK_F=block_f, num_warps=warps)
+    return hot_idx, hot_pos, hot_bits
 
 
 class HotGate(NamedTuple):
@@ -838,8 +862,8 @@ def twell_gate_hot(
     slots: int | None = None,
     tile_n: int | None = None,
 ) -> HotGate:
-    """Gate for the hot-unit split: dense relu pass that also counts each unit's positives over the batch
-    (exact, atomics in the GEMM epilogue), the hot_units most frequent units (one selection kernel, no
+    """Gate for the hot-unit split: dense relu pass, each unit's positives over the batch counted
+    exactly from the pass's bitmask, the hot_units most frequent units (one selection kernel, no
     host sync), then one compaction pass that writes the hot columns densely to g_hot and the cold ones
     in TwELL form (counts = cold positives only). Any hot set gives exact results; the counts only
     decide which units are worth tensor cores."""
@@ -853,10 +877,11 @@ def twell_gate_hot(
     tile_n, slots = _format(M, F, slots, tile_n)
     counts, cols, vals = _format_buffers(x, F, tile_n, slots)
     h = torch.empty((M, F), dtype=x.dtype, device=x.device)
-    fires = torch.zeros(F, dtype=torch.int32, device=x.device)
-    bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots, fires)
-    hot_idx, hot_pos = select_hot_units(fires, K)
+    bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots)
+    # Exact per-unit counts of the batch: from the bitmask (1/16 of h's bytes), or from h on the scan path.
+    fires = count_fires(bits) if bits is not None else (h > 0).sum(0, dtype=torch.int32)
+    hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
     g_hot = torch.empty((M, K), dtype=x.dtype, device=x.device)
-    _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
+    _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot, hot_bits)
     del h, bits
     return HotGate(TwELLGate(counts, cols, vals, tile_n, slots), hot_idx, hot_pos, g_hot)

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
+from kernels.decode import decode_slices, set_decode_slices  # noqa: E402
 from kernels.gate import twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, _hot_part  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
@@ -151,12 +152,16 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
         if M <= DECODE_MAX_TOKENS:
-            variants = [dict(schedule="decode")] + [dict(schedule="row", split=s) for s in args.decode_splits]
+            variants = [dict(schedule="decode", slices=s) for s in args.decode_slices]
+            variants += [dict(schedule="row", split=s) for s in args.decode_splits]
         else:
             variants = [dict(hot_units=k) for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
         rows = []
         for kw in variants:
+            kw = dict(kw)
+            if "slices" in kw:  # a benchmark switch of the decode schedule, not an argument
+                set_decode_slices(kw.pop("slices") or None)
             K = kw.get("hot_units", 0)
             hot_gate_ms = hot_mm_ms = None
             cold_pairs = pairs
@@ -171,9 +176,10 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
-            name = (
-                f"hot{K}" if "hot_units" in kw else kw["schedule"] if "split" not in kw else f"s{kw['split']}"
-            )
+            if kw.get("schedule") == "decode":
+                name = f"dec{decode_slices(M, D)}"
+            else:
+                name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -207,6 +213,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                     correct=bool(err.max() < 1e-2),
                 )
             )
+        set_decode_slices(None)
         del pre
         return rows
 
@@ -239,7 +246,18 @@ def main(argv=None):
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
     p.add_argument(
-        "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
+        "--decode-splits",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="row schedule: consumer programs per row, M <= 64",
+    )
+    p.add_argument(
+        "--decode-slices",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="decode schedule: D slices per token (0: default)",
     )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
     p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import twell_gate
-from kernels.gate import select_hot_units, set_gate_variant, twell_gate_hot
+from kernels.gate import count_fires, select_hot_units, set_gate_variant, twell_gate_hot
 from kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
 
 
@@ -157,10 +157,22 @@ def test_select_hot_units_takes_the_k_largest_counts_lowest_column_first(F, K, p
         torch.randint(0, 10**6, (F,), generator=gen),
     ):
         fires = fires.to(torch.int32)
-        hot_idx, hot_pos = select_hot_units(fires, K)
+        hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
         # reference: stable sort by count descending, then lower column first
         order = sorted(range(F), key=lambda c: (-int(fires[c]), c))[:K]
         assert hot_idx.tolist() == sorted(order)
         expect = torch.full((F,), -1, dtype=torch.int32)
         expect[hot_idx] = torch.arange(K, dtype=torch.int32)
         assert torch.equal(hot_pos, expect)
+        hot = torch.zeros(-(-F // 32) * 32, dtype=torch.int64)
+        hot[hot_idx] = 1
+        words = (hot.view(-1, 32) << torch.arange(32)).sum(1)
+        assert torch.equal(hot_bits, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+
+
+@pytest.mark.parametrize("M,W", [(1, 2), (37, 6), (300, 11)])
+def test_count_fires_counts_every_set_bit(M, W, poisoned_empty):
+    bits = torch.randint(-(2**31), 2**31, (M, W), dtype=torch.int64).to(torch.int32)
+    bits[0] = -1  # every bit of a row set (sign bit included)
+    unpacked = (bits.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1
+    assert torch.equal(count_fires(bits), unpacked.sum(0).view(-1).to(torch.int32))

@@ -78,18 +78,18 @@ def test_decode_schedule_matches_reference_on_hard_patterns(M, D, F, dtype, pois
     assert int(stats.overflow_rows) == 0
     y2, counts = decode_ffn(x, wg, wu, wd)
     assert torch.equal(y, y2)  # no atomics: bit-identical re-runs
+    for slices in (1, 2):  # each D slice recomputes the dots: same sums in the same order
+        assert torch.equal(decode_ffn(x, wg, wu, wd, slices=slices)[0], y)
     pre = x.double() @ wg.double().T
     assert torch.equal(counts, (pre.view(M, -1, 32) > 0).sum(-1, dtype=torch.int32))
 
 
 def test_decode_schedule_without_tma_alignment(poisoned_empty):
     """x starting 2 bytes into its buffer cannot be a TMA source: the decode GEMV takes pointer loads."""
-    from kernels.decode import _use_tma
-
     x, wg, wu, wd = _hard_inputs(5, 64, 192, torch.bfloat16, seed=3)
     x_odd = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x)
     x_odd.copy_(x)
-    assert not _use_tma(x_odd, wg)
+    assert x_odd.data_ptr() % 16 != 0
     y = twell_ffn_inference(x_odd, wg, wu, wd)
     err, _ = _row_errors(y, x, wg, wu, wd)
     assert err.max() < ROW_TOL[torch.bfloat16]
@@ -101,6 +101,10 @@ def test_decode_schedule_rejects_row_knobs_and_large_batches():
         twell_ffn_inference(x, w, w, w, schedule="decode")
     with pytest.raises(ValueError, match="configure the 'row' schedule"):
         twell_ffn_inference(x[:4], w, w, w, schedule="decode", slots=8)
+    from kernels.decode import decode_ffn
+
+    with pytest.raises(ValueError, match="slices=3 must be a power of two"):
+        decode_ffn(x[:4], w, w, w, slices=3)
 
 
 @pytest.mark.parametrize("hot", [64, 320])

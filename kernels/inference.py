@@ -5,12 +5,11 @@ w_down[j] for each active unit (the paper's reference schedule); overflow tiles 
 slots) are recomputed densely from x and w_gate inside the program.
 
 Hot units (large batches, `hot_units=K`): the K units that fire most often in this batch (counted
-exactly in the gate GEMM's epilogue, chosen by one selection kernel on the GPU) are computed densely
-on tensor cores,
+exactly from the gate GEMM's positive bitmask, chosen by one selection kernel on the GPU) are computed
+densely on tensor cores,
 y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]; the compaction leaves those columns out of the
 TwELL entries and counts, and the row consumer starts from y_hot. Exact for any choice of hot set.
 (The "block" union schedule lost everywhere on the H200 and was removed.)
-Decode sizes (M <= 64 tokens) take kernels/decode.py by default: two kernels, gate + up fused.
 NOTES.md has the arithmetic.
 """
 
@@ -23,10 +22,9 @@ import triton
 import triton.language as tl
 
 from ._common import check_ffn_args, check_kernel_device, interpreting, next_pow2
-from .decode import decode_ffn
 from .gate import twell_gate, twell_gate_hot
 
-SCHEDULES = ("row", "decode")
+SCHEDULES = ("row",)
 
 
 class InferenceStats(NamedTuple):
@@ -206,11 +204,12 @@ def set_decode_split(split: int) -> None:
 
 # Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES.md: a unit is
 # worth a tensor-core column when it fires on more than ~0.8% of tokens; under the paper-like
-# log-normal rates that is the top ~500-700 of 5632 units; 512 leaves a margin). On by measurement only
-# where it won (H200, docs/results/bench_ffn_round4.txt, x dense hot0 / hot512): 131072 tokens 1.17 /
-# 1.24; 16384 0.98 / 0.94; 4096 0.76 / 0.29. So from 65536 tokens on (no size between was measured).
-HOT_MIN_TOKENS = 65536
-DEFAULT_HOT_UNITS = 512
+# log-normal rates that is the top ~500-700 of 5632 units). Set by measurement (H200, NOTES.md
+# round 7, x dense for K = 0 / 512 / 1024 with the hot set counted exactly and chosen in one kernel):
+# 8192 tokens 0.93 / 0.77 / 0.79 (eager launch overhead of the extra kernels dominates), 16384 1.22 /
+# 1.36 / 1.39, 32768 1.29 / 1.40 / 1.43, 65536 1.24 / 1.36 / 1.36, 131072 1.40 / 1.58 / 1.59.
+HOT_MIN_TOKENS = 16384
+DEFAULT_HOT_UNITS = 1024
 
 
 def default_hot_units(M: int, F: int) -> int:
@@ -295,35 +294,15 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "decode" (M <= DECODE_MAX_TOKENS: gate + up in one kernel, down in a second; kernels/decode.py)
-    or "row" (any M: TwELL gate, then one consumer program per row). None: "decode" up to
-    DECODE_MAX_TOKENS tokens unless a row-schedule knob is given, "row" above. slots / tile_n: the row
-    schedule's TwELL format (see kernels.gate); split: programs per row of its consumer (None: several
-    at decode sizes, 1 otherwise). hot_units: K units computed densely on tensor cores (row schedule;
-    0: off; None: DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on; ignored at decode sizes on a GPU).
-    With return_stats=True returns (y, InferenceStats).
+    schedule: "row" (None: the default). slots / tile_n: TwELL format (see kernels.gate); split:
+    programs per row of the consumer (None: several at decode sizes, where few rows must fill the GPU;
+    1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS
+    from HOT_MIN_TOKENS tokens on; ignored at decode sizes on a GPU). With return_stats=True returns
+    (y, InferenceStats).
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    M = x.shape[0]
-    if schedule is None:
-        row_knobs = slots is not None or tile_n is not None or split is not None
-        schedule = "decode" if M <= DECODE_MAX_TOKENS and not row_knobs else "row"
-    if schedule == "decode":
-        if slots is not None or tile_n is not None or split is not None:
-            raise ValueError(
-                "slots/tile_n/split configure the 'row' schedule; the 'decode' schedule has a fixed "
-                "format (32-unit tiles of 32 slots): drop them or pass schedule='row'"
-            )
-        if M > DECODE_MAX_TOKENS:
-            raise ValueError(
-                f"schedule='decode' takes at most {DECODE_MAX_TOKENS} tokens (got {M}); use 'row'"
-            )
-        y, _counts = decode_ffn(x, w_gate, w_up, w_down)
-        # 32 slots per 32-unit tile: no tile can overflow, so no row ever takes an overflow path.
-        stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
-    else:
-        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
+    y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y

@@ -37,9 +37,10 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, sampled_dot, segment_axpy
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
 #             rows and writes all three weight gradients.
 #   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
-#   "auto" (default): the measured best per size (docs/results/bench_train_round3.txt, H200: split
-#             6.95 vs fused3 7.35 ms at 16k tokens, 17.17 vs 17.86 at 64k): split from 16k tokens,
-#             fused3 below (not measured there; fewer launches).
+#   "auto" (default): the measured best per size on an H200: split from 65536 tokens (round 3:
+#             17.17 vs fused3 17.86 ms at 64k), fused3 below (16k tokens: 6.51 vs split 6.93 ms in
+#             kernels/NOTES.md round 7; round 3 had split ahead there, 6.95 vs 7.35 — within run-to-run
+#             spread, so the simpler, fewer-launch variant).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 _settings = {"backward": "auto"}
@@ -111,7 +112,7 @@ def _ffn_train_bwd(
     h = gate32 * up
     variant = _settings["backward"]
     if variant == "auto":
-        variant = "fused3" if M < 16384 else "split"
+        variant = "fused3" if M < 65536 else "split"
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     order = torch.argsort(cols, stable=True)
     # Column starts by binary search in the sorted columns: no host sync (bincount has one), no atomics.

@@ -80,6 +80,8 @@ def build_pattern(
             counts, tw_cols.contiguous(), tw_vals.contiguous(), row_ptr, rows, cols, gate, T,
             SLOTS=slots, BLOCK_T=triton.next_power_of_2(T), BLOCK_S=triton.next_power_of_2(slots),
         )  # fmt: skip
-    # Overflow rows first, in row order, without a second sync (a stable sort of M flags).
-    overflow_rows = torch.argsort(overflow.to(torch.int8), descending=True, stable=True)[:n_ovf]
+    if n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
+        overflow_rows = torch.argsort(overflow.to(torch.int8), descending=True, stable=True)[:n_ovf]
+    else:  # the common case: no sort, no launches
+        overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
     return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active)

@@ -1,7 +1,7 @@
 """Benchmark the TwELL FFN against dense PyTorch/cuBLAS on one GPU (inference mode, same inputs).
 
     python scripts/bench_ffn.py --out bench_ffn.json            # tokens 1 64 4096 16384 131072, d_ff 5632
-    python scripts/bench_ffn.py --quick --out bench_ffn.json    # tokens 1 64 16384 131072, hot 0 512, rep 25
+    python scripts/bench_ffn.py --quick --out bench_ffn.json    # tokens 1 64 16384 131072, hot 0 1024, rep 25
     python scripts/bench_ffn.py --hot-units 0 256 512 768       # which dense hot-unit counts to compare
     python scripts/bench_ffn.py --compile --d-ff 5632 8192      # + torch.compile'd dense, more shapes
     python scripts/bench_ffn.py --activations dump.pt            # x, w_gate, w_up, w_down from a real model
@@ -9,8 +9,7 @@
     python scripts/bench_ffn.py --quick --profile                # + per-kernel GPU times of each variant
 
 Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
-hot-unit count K (M > 64; K = 0 is the pure row schedule) or, at decode sizes (M <= 64), the decode
-schedule and the row schedule at each consumer split.
+hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64).
 'hgate' = the hot-split gate alone (dense pass + sample + top-K + compaction), 'hmm' = the two hot
 GEMMs; 'sparse' = FFN - gate - hmm, with the GB/s the weight rows of the cold pairs would need if no two
 tokens shared one. Every configuration is checked row by row against a float32 reference (max
@@ -29,7 +28,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.decode import decode_slices, set_decode_slices  # noqa: E402
 from kernels.gate import twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, _hot_part  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
@@ -152,16 +150,12 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
         if M <= DECODE_MAX_TOKENS:
-            variants = [dict(schedule="decode", slices=s) for s in args.decode_slices]
-            variants += [dict(schedule="row", split=s) for s in args.decode_splits]
+            variants = [dict(split=s) for s in args.decode_splits]
         else:
             variants = [dict(hot_units=k) for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
         rows = []
         for kw in variants:
-            kw = dict(kw)
-            if "slices" in kw:  # a benchmark switch of the decode schedule, not an argument
-                set_decode_slices(kw.pop("slices") or None)
             K = kw.get("hot_units", 0)
             hot_gate_ms = hot_mm_ms = None
             cold_pairs = pairs
@@ -176,10 +170,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
-            if kw.get("schedule") == "decode":
-                name = f"dec{decode_slices(M, D)}"
-            else:
-                name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
+            name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -213,7 +204,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                     correct=bool(err.max() < 1e-2),
                 )
             )
-        set_decode_slices(None)
         del pre
         return rows
 
@@ -240,24 +230,13 @@ def print_table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["inference", "train"], default="inference")
-    p.add_argument("--quick", action="store_true", help="tokens 1 64 16384 131072, hot 0 512, rep 25")
+    p.add_argument("--quick", action="store_true", help="tokens 1 64 16384 131072, hot 0 1024, rep 25")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 4096, 16384, 131072])
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
     p.add_argument(
-        "--decode-splits",
-        type=int,
-        nargs="*",
-        default=[8],
-        help="row schedule: consumer programs per row, M <= 64",
-    )
-    p.add_argument(
-        "--decode-slices",
-        type=int,
-        nargs="*",
-        default=[0],
-        help="decode schedule: D slices per token (0: default)",
+        "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
     )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
     p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")
@@ -277,7 +256,7 @@ def main(argv=None):
     else:
         if args.quick:
             args.tokens, args.d_ff, args.rep = [1, 64, 16384, 131072], [5632], 25
-            args.hot_units = [0, 512]
+            args.hot_units = [0, 1024]
         compiled = torch.compile(dense_ffn) if args.compile else None
         rows, profiles = [], []
         if args.activations:

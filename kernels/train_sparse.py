@@ -56,7 +56,8 @@ def _tuned(configs, key):
 @triton.jit
 def _sampled_dot_kernel(
     rows_ptr, cols_ptr, a_ptr, b_ptr, out_ptr, nnz, stride_a, stride_b,
-    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    gate_ptr, up_ptr, l1_ptr, du_ptr, h_ptr,
+    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, GRADS: tl.constexpr,
 ):  # fmt: skip
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < nnz
@@ -70,7 +71,18 @@ def _sampled_dot_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0)
         b = tl.load(b_ptr + cols[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0)
         acc += a.to(tl.float32) * b.to(tl.float32)
-    tl.store(out_ptr + offs_e, tl.sum(acc, axis=1), mask=mask_e)
+    dot = tl.sum(acc, axis=1)
+    if GRADS:  # the training backward's per-entry gradients, h = g * u (see entry_grads)
+        g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
+        h = g * u
+        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+        dh = dot + tl.load(l1_ptr) * sign
+        tl.store(out_ptr + offs_e, dh * u, mask=mask_e)
+        tl.store(du_ptr + offs_e, dh * g, mask=mask_e)
+        tl.store(h_ptr + offs_e, h, mask=mask_e)
+    else:
+        tl.store(out_ptr + offs_e, dot, mask=mask_e)
 
 
 def sampled_dot(rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -79,8 +91,28 @@ def sampled_dot(rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor, b: torc
     out = torch.empty(nnz, device=a.device, dtype=torch.float32)
     if nnz:
         grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
-        _sampled_dot_kernel[grid](rows, cols, a, b, out, nnz, a.stride(0), b.stride(0), D=D)
+        _sampled_dot_kernel[grid](
+            rows, cols, a, b, out, nnz, a.stride(0), b.stride(0), out, out, out, out, out, D=D, GRADS=False
+        )
     return out
+
+
+def entry_grads(
+    rows: torch.Tensor, cols: torch.Tensor, dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
+    up: torch.Tensor, l1_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The backward's per-entry gradients in one kernel (fp32 [nnz] each): with h = gate * up and
+    dh = dy[row] . w_down[col] + l1_scale * sign(h), returns (d_gate = dh * up, d_up = dh * gate, h).
+    l1_scale: fp32 0-dim device tensor (d loss / d sum|h|), read on the device: no host sync."""
+    nnz, D = rows.numel(), dy.shape[1]
+    d_gate, d_up, h = (torch.empty(nnz, device=dy.device, dtype=torch.float32) for _ in range(3))
+    if nnz:
+        grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
+        _sampled_dot_kernel[grid](
+            rows, cols, dy, w_down, d_gate, nnz, dy.stride(0), w_down.stride(0), gate, up,
+            l1_scale.reshape(1), d_up, h, D=D, GRADS=True,
+        )  # fmt: skip
+    return d_gate, d_up, h
 
 
 @triton.jit

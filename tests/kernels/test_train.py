@@ -19,7 +19,16 @@ from kernels.synthetic import (
     paper_like_ffn_inputs,
 )
 from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
-from kernels.train_sparse import ONE, ONE_DOT, SPLIT3, SUM2, dots_buffer, sampled_dot, segment_axpy
+from kernels.train_sparse import (
+    ONE,
+    ONE_DOT,
+    SPLIT3,
+    SUM2,
+    dots_buffer,
+    entry_grads,
+    sampled_dot,
+    segment_axpy,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -287,6 +296,23 @@ def test_sampled_dot_matches_gathered_rows():
     expected = (a.double()[rows.long()] * b.double()[cols.long()]).sum(1)
     got = sampled_dot(*(t.to(DEVICE) for t in (rows, cols, a, b)))
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("l1", [0.0, 3e-4])
+def test_entry_grads_match_the_chain_rule(l1):
+    """One kernel for dh = dy . w_down + l1 * sign(g u), d_gate = dh u, d_up = dh g, h = g u; entries
+    with u = 0 (sign 0) and negative u included."""
+    dy, wd = torch.randn(9, 128, dtype=torch.bfloat16), torch.randn(17, 128, dtype=torch.bfloat16)
+    rows, cols = torch.randint(0, 9, (41,), dtype=torch.int32), torch.randint(0, 17, (41,), dtype=torch.int32)
+    gate = torch.rand(41).add(0.1).to(torch.bfloat16)
+    up = torch.randn(41)
+    up[:5] = 0.0
+    scale = torch.tensor(l1)
+    got = entry_grads(*(t.to(DEVICE) for t in (rows, cols, dy, wd, gate, up, scale)))
+    h = gate.double() * up.double()
+    dh = (dy.double()[rows.long()] * wd.double()[cols.long()]).sum(1) + l1 * torch.sign(h)
+    for g, e in zip(got, (dh * up.double(), dh * gate.double(), h)):
+        torch.testing.assert_close(g.cpu().double(), e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

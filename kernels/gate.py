@@ -854,6 +854,7 @@ class HotGate(NamedTuple):
     hot_idx: torch.Tensor  # int64 [K] sorted hot columns
     hot_pos: torch.Tensor  # int32 [F]: position of column c in hot_idx, -1 if cold
     g_hot: torch.Tensor  # [M, K] dtype of x: relu gate values of the hot columns (zeros included)
+    fires: torch.Tensor  # int32 [F]: positives of every unit over the batch (hot and cold, all rows)
 
 
 def twell_gate_hot(
@@ -886,4 +887,4 @@ def twell_gate_hot(
     g_hot = torch.empty((M, K), dtype=x.dtype, device=x.device)
     _compact_pass(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot, hot_bits)
     del h, bits
-    return HotGate(TwELLGate(counts, cols, vals, tile_n, slots), hot_idx, hot_pos, g_hot)
+    return HotGate(TwELLGate(counts, cols, vals, tile_n, slots), hot_idx, hot_pos, g_hot, fires)

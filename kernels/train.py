@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import check_ffn_args, check_kernel_device
-from .gate import twell_gate
+from ._common import check_ffn_args, check_kernel_device, interpreting
+from .gate import twell_gate, twell_gate_hot
 from .reference import FFNOutput
 from .train_format import build_pattern
 from .train_rowfwd import row_ffn_forward
@@ -43,13 +43,35 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, entry_grads, segment_axpy
 #             spread, so the simpler, fewer-launch variant).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
-_settings = {"backward": "auto"}
+_settings = {"backward": "auto", "hot_units": None}
+# Hot units (as in inference): from HOT_MIN_TOKENS tokens on, the DEFAULT_HOT_UNITS units that fire
+# most often in the batch (exact counts, one selection kernel) take every product on tensor cores
+# (cuBLAS GEMMs on their gathered weight rows: ~75% of the entries at paper-like skew with 1024 of
+# 5632 units); the sparse kernels keep the rest. Saved for backward: their gate values [M, K] (x's
+# dtype; 6% of a dense FFN's saved activations at K 1024 / d_ff 5632); u is recomputed.
+HOT_MIN_TOKENS = 16384
+DEFAULT_HOT_UNITS = 1024
 
 
 def set_backward_variant(name: str) -> None:
     if name not in BACKWARD_VARIANTS + ("auto",):
         raise ValueError(f"backward variant {name!r} is unknown; choose one of {BACKWARD_VARIANTS}")
     _settings["backward"] = name
+
+
+def set_hot_units(k: int | None) -> None:
+    """Hot units of the training op: None = the default (DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens
+    on a GPU, else 0), 0 = off, k > 0 = k units at every size (capped at d_ff)."""
+    if k is not None and int(k) < 0:
+        raise ValueError(f"hot units k={k} must be >= 0 (0 turns them off, None restores the default)")
+    _settings["hot_units"] = None if k is None else int(k)
+
+
+def hot_units_for(M: int, F: int) -> int:
+    k = _settings["hot_units"]
+    if k is None:
+        k = DEFAULT_HOT_UNITS if M >= HOT_MIN_TOKENS and not interpreting() else 0
+    return min(k, F // 4 if _settings["hot_units"] is None else F)
 
 
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -61,33 +83,54 @@ def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[T
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
 def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    M = x.shape[0]
-    tw = twell_gate(x, w_gate)
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
+]:
+    M, F = x.shape[0], w_gate.shape[0]
+    K = hot_units
+    if K:  # hot columns go to g_hot (dense), the cold ones to TwELL; overflow is decided on cold ones
+        hg = twell_gate_hot(x, w_gate, K)
+        tw, hot_idx, g_hot = hg.gate, hg.hot_idx, hg.g_hot
+        h_hot = g_hot * (x @ w_up.index_select(0, hot_idx).T)  # x's dtype, as a dense FFN rounds it
+        y_hot = h_hot @ w_down.index_select(0, hot_idx)
+    else:
+        tw = twell_gate(x, w_gate)
+        hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+        g_hot = x.new_empty(M, 0)
+        y_hot = None
     pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
-    # Overflow rows have empty segments: y is written as zeros there, then replaced below.
-    up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down)
-    h = pat.gate.float() * up
-    l1_sum = h.abs().sum()
-    # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
-    unit_fires = torch.zeros(w_gate.shape[0], dtype=torch.int32, device=x.device)
-    unit_fires.index_add_(0, pat.cols, torch.ones_like(pat.cols))
-    if pat.overflow_rows.numel():
+    # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below.
+    up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot)
+    l1_sum = (pat.gate.float() * up).abs().sum()
+    if K:
+        l1_sum = l1_sum + h_hot.float().abs().sum()
+        unit_fires = hg.fires  # every positive of the batch, hot and cold (from the gate's bitmask)
+        row_active = pat.row_active + (g_hot > 0).sum(dim=1, dtype=torch.int32)
+    else:
+        # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
+        unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
+        unit_fires.index_add_(0, pat.cols, torch.ones_like(pat.cols))
+        row_active = pat.row_active
+    if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
-        y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
+        if K:
+            h_o[:, hot_idx] = 0
+            y.index_copy_(0, pat.overflow_rows, torch.addmm(y_hot[pat.overflow_rows], h_o, w_down))
+        else:
+            y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
+            unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
         l1_sum = l1_sum + h_o.float().abs().sum()
-        unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
     # A fill kernel, not a host-to-device copy of a Python int.
     n_overflow = torch.full((), pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
     return (
-        y, l1_sum / M, pat.row_active, unit_fires, n_overflow,
-        pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows,
+        y, l1_sum / M, row_active, unit_fires, n_overflow,
+        pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows, hot_idx, g_hot,
     )  # fmt: skip
 
 
 @_ffn_train_fwd.register_fake
-def _(x, w_gate, w_up, w_down):
+def _(x, w_gate, w_up, w_down, hot_units):
     (M, D), F = x.shape, w_gate.shape[0]
     ctx = torch.library.get_ctx()
     nnz, n_ovf = ctx.new_dynamic_size(), ctx.new_dynamic_size()
@@ -97,6 +140,7 @@ def _(x, w_gate, w_up, w_down):
         x.new_empty(F, **i32), x.new_empty((), **i32), x.new_empty(M + 1, **i32),
         x.new_empty(nnz, **i32), x.new_empty(nnz, **i32), x.new_empty(nnz),
         x.new_empty(nnz, dtype=torch.float32), x.new_empty(n_ovf, dtype=torch.int64),
+        x.new_empty(hot_units, dtype=torch.int64), x.new_empty(M, hot_units),
     )  # fmt: skip
 
 
@@ -104,6 +148,7 @@ def _(x, w_gate, w_up, w_down):
 def _ffn_train_bwd(
     grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, overflow_rows: Tensor,
+    hot_idx: Tensor, g_hot: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
@@ -130,16 +175,43 @@ def _ffn_train_bwd(
     else:
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
         segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
-
-    _overflow_backward(dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, dx, dw_gate, dw_up, dw_down)
+    # Overflow rows (dense, cold units only with hot units on) before the hot part: index_copy_
+    # replaces their dx rows, the hot part then adds to every row.
+    _overflow_backward(
+        dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, hot_idx, dx, dw_gate, dw_up, dw_down
+    )
+    if hot_idx.numel():
+        _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down
 
 
-def _overflow_backward(dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, dx, dw_gate, dw_up, dw_down):
-    """Rows on the dense overflow path: recompute their g and u, then their gradient shares (dense)."""
+def _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_gate, dw_up, dw_down):
+    """The hot units' share of every gradient, as a dense FFN's autograd computes it (cuBLAS GEMMs on
+    the gathered weight rows; coefficients rounded to x's dtype). Their weight-gradient rows hold zeros
+    from the column pass (no sparse entries there) and are overwritten."""
+    wg, wu, wd = (w.index_select(0, hot_idx) for w in (w_gate, w_up, w_down))
+    u_hot = x @ wu.T  # recomputed: one GEMM instead of saving [M, K] more
+    h_hot = g_hot * u_hot
+    dh = (dy @ wd.T).float() + l1_scale * torch.sign(h_hot.float())
+    d_gate = (dh * u_hot.float() * (g_hot > 0)).to(x.dtype)  # the ReLU mask
+    d_up = (dh * g_hot.float()).to(x.dtype)
+    dx.addmm_(d_gate, wg).addmm_(d_up, wu)
+    dw_gate.index_copy_(0, hot_idx, d_gate.T @ x)
+    dw_up.index_copy_(0, hot_idx, d_up.T @ x)
+    dw_down.index_copy_(0, hot_idx, h_hot.T @ dy)
+
+
+def _overflow_backward(
+    dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, hot_idx, dx, dw_gate, dw_up, dw_down
+):
+    """Rows on the dense overflow path: recompute their g and u, then their gradient shares (dense),
+    leaving the hot units (hot_idx) to _hot_backward."""
     if overflow_rows.numel():
         x_o, dy_o = x[overflow_rows], dy[overflow_rows]
         gate_o, up_o, h_o = _dense_rows_forward(x_o, w_gate, w_up)
+        if hot_idx.numel():
+            gate_o[:, hot_idx] = 0
+            h_o[:, hot_idx] = 0
         dh_o = (dy_o @ w_down.T).float() + l1_scale * torch.sign(h_o.float())
         d_gate_o = (dh_o * up_o.float() * (gate_o > 0)).to(x.dtype)
         d_up_o = (dh_o * gate_o.float()).to(x.dtype)
@@ -150,12 +222,12 @@ def _overflow_backward(dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, dx,
 
 
 @_ffn_train_bwd.register_fake
-def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows):
+def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows, hot_idx, g_hot):
     return x.new_empty(x.shape), *(w.new_empty(w.shape) for w in (w_gate, w_up, w_down))
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, *output[5:])
+    ctx.save_for_backward(*inputs[:4], *output[5:])
     ctx.mark_non_differentiable(*output[2:])
 
 
@@ -166,7 +238,7 @@ def _backward(ctx, grad_y, grad_l1, *_unused):
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved)
+    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -185,6 +257,6 @@ def twell_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> FFNOut
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     y, l1, row_active, unit_fires, n_overflow, *_saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down
+        x, w_gate, w_up, w_down, hot_units_for(x.shape[0], w_gate.shape[0])
     )
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

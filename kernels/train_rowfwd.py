@@ -37,15 +37,19 @@ def _configs():
 
 
 @triton.jit
-def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
+                    CHUNK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
     x = tl.load(x_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
     start = tl.load(row_ptr_ptr + row)
     end = tl.load(row_ptr_ptr + row + 1)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_INIT:  # start from the hot units' dense part of y (one rounding for both parts)
+        acc = tl.load(init_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
         e0 = start
         while e0 < end:
@@ -69,16 +73,17 @@ else:
 
 def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_down: torch.Tensor, init: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = sum over the row's entries of
-    gate * u * w_down[col]); rows with no entries get y = 0. All operands contiguous."""
+    """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = init + sum over the row's entries of
+    gate * u * w_down[col]); init [M, D] (x's dtype) or None for zeros. All operands contiguous."""
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
-    y = torch.empty_like(x)
     if cols.numel() == 0:  # every row on the dense overflow path (or silent): nothing to gather
-        return up, y.zero_()
+        return up, (init.clone() if init is not None else torch.zeros_like(x))
+    y = torch.empty_like(x)
     _launch[(M,)](
-        row_ptr, cols, gate, x, w_up, w_down, up, y, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting()
-    )
+        row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, D=D,
+        BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
+    )  # fmt: skip
     return up, y

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels._common import check_ffn_args  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn  # noqa: E402
+from kernels.train import BACKWARD_VARIANTS, set_backward_variant, set_hot_units, twell_ffn  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -193,15 +193,15 @@ def mark_ok(rows: list[dict]) -> None:
         r["ok"] = all(r[k] <= max(3 * dense[k], 1e-2) for k in errs)
 
 
-def _profile(leaves, grad_y, variant: str) -> list[dict]:
+def _profile(leaves, grad_y, variant: str, hot: int = 0) -> list[dict]:
     """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
     from scripts.bench_ffn import kernel_times, print_kernel_times
 
     set_backward_variant(variant)
     kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y), cpu_ops=25)
     # the dozens of tiny glue kernels are summed in the total
-    print_kernel_times(f"TwELL step, backward variant {variant}", kernels, wall, min_us=5)
-    return [{"variant": variant, "wall_ms": wall, **k} for k in kernels]
+    print_kernel_times(f"TwELL step, backward variant {variant}, hot units {hot}", kernels, wall, min_us=5)
+    return [{"variant": variant, "hot_units": hot, "wall_ms": wall, **k} for k in kernels]
 
 
 def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:
@@ -219,15 +219,18 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     leaves, grad_y, ref = prepare_step(inputs)
     rep = getattr(args, "rep", 100)
 
-    impls = [("dense_eager", dense_ffn_l1, None)]
+    impls = [("dense_eager", dense_ffn_l1, None, None)]
     if compiled is not None:
-        impls.append(("dense_compiled", compiled, None))
-    impls += [(f"twell_{v}", _twell_y_l1, v) for v in getattr(args, "variants", None) or BACKWARD_VARIANTS]
+        impls.append(("dense_compiled", compiled, None, None))
+    hots = getattr(args, "hot_units", None) or [0]
+    variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
+    impls += [(f"twell_{v}" + (f"_h{k}" if k else ""), _twell_y_l1, v, k) for v in variants for k in hots]
 
     rows = []
-    for name, fn, variant in impls:
+    for name, fn, variant, hot in impls:
         if variant:
             set_backward_variant(variant)
+            set_hot_units(hot)
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -254,6 +257,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             )
         rows.append(row)
     set_backward_variant("auto")
+    set_hot_units(None)
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -263,9 +267,12 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         r["saved_vs_dense"] = r["saved_mb"] / dense["saved_mb"]
     mark_ok(rows)
     if profile:
-        for variant in getattr(args, "variants", None) or BACKWARD_VARIANTS:
-            args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant)
+        for variant in variants:
+            for hot in hots:
+                set_hot_units(hot)
+                args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant, hot)
         set_backward_variant("auto")
+        set_hot_units(None)
     return rows
 
 
@@ -273,14 +280,14 @@ def print_table(rows) -> None:
     for source in dict.fromkeys(r.get("source", SYNTHETIC) for r in rows):
         print(f"source: {source}")
     head = (
-        f"{'tokens':>7} {'d_ff':>5} {'impl':<15} {'fwd ms':>7} {'f+b ms':>7} {'xEager':>6} {'xBest':>6} "
+        f"{'tokens':>7} {'d_ff':>5} {'impl':<20} {'fwd ms':>7} {'f+b ms':>7} {'xEager':>6} {'xBest':>6} "
         f"{'saved MB':>9} {'%dense':>6} {'peak MB':>8} {'err y':>8} {'err dx':>8} {'err dWg':>8} "
         f"{'err dWu':>8} {'err dWd':>8} {'ovf':>4} {'act':>5} ok"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['tokens']:>7} {r['d_ff']:>5} {r['impl']:<15} {r['fwd_ms']:>7.3f} {r['fwd_bwd_ms']:>7.3f} "
+            f"{r['tokens']:>7} {r['d_ff']:>5} {r['impl']:<20} {r['fwd_ms']:>7.3f} {r['fwd_bwd_ms']:>7.3f} "
             f"{r['speedup_vs_eager']:>6.2f} {r['speedup_vs_best_dense']:>6.2f} {r['saved_mb']:>9.1f} "
             f"{100 * r['saved_vs_dense']:>5.1f}% {r['peak_step_mb']:>8.0f} {r['err_y']:>8.1e} {r['err_dx']:>8.1e} "
             f"{r['err_dw_gate']:>8.1e} {r['err_dw_up']:>8.1e} {r['err_dw_down']:>8.1e} "
@@ -357,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
         "neuron-major); d_model and d_ff are the dump's (--d-ff, --d-model and --quick are ignored)",
     )
     p.add_argument("--variants", nargs="*", choices=BACKWARD_VARIANTS, default=list(BACKWARD_VARIANTS))
+    p.add_argument(
+        "--hot-units", type=int, nargs="*", default=[0, 1024], help="K units on dense GEMMs (0: all sparse)"
+    )
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")

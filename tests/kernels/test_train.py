@@ -18,7 +18,7 @@ from kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
+from kernels.train import BACKWARD_VARIANTS, hot_units_for, set_backward_variant, set_hot_units, twell_ffn
 from kernels.train_sparse import (
     ONE,
     ONE_DOT,
@@ -245,7 +245,10 @@ def test_compiles_without_graph_breaks():
 def test_custom_ops_pass_opcheck():
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
     test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(torch.ops.twell.ffn_train_fwd.default, tuple(inputs), test_utils=test_utils)
+    for hot_units in (0, 16):
+        torch.library.opcheck(
+            torch.ops.twell.ffn_train_fwd.default, (*inputs, hot_units), test_utils=test_utils
+        )
 
 
 @pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3, ONE_DOT])
@@ -333,24 +336,71 @@ def test_bad_inputs_raise_a_clear_error(change, message):
         twell_ffn(*change(inputs))
 
 
+@pytest.mark.parametrize("hot", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hot_units_match_reference_with_overflow_and_dense_rows(hot, dtype):
+    """Hot units (every product on dense GEMMs for the K most frequent units, the sparse kernels for
+    the rest): y, l1 and all four gradients, with overflow rows (dense on the cold units) and hot = F
+    (no sparse entry at all); unit_fires / row_active still count every positive."""
+    M, D, F = 45, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, dtype, mean_active=10.0)
+    make_rows_dense(x, [3, 30])
+    make_rows_silent(x, [7])
+    make_rows_heavy_tailed(x, list(range(10, 20)), seed=_fresh_seed())
+    try:
+        set_hot_units(hot)
+        out = _check_against_reference([x, w_gate, w_up, w_down])
+    finally:
+        set_hot_units(None)
+    if dtype == torch.float32 and hot < F:
+        assert int(out.overflow_rows) >= 2
+
+
+def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
+    inputs = _inputs(33, 64, 192, torch.float32)
+    make_rows_dense(inputs[0], [2])
+    grad_y = torch.randn(33, 64, device=DEVICE)
+    assert hot_units_for(33, 192) == 0 and hot_units_for(1 << 20, 5632) in (0, 1024)
+    try:
+        set_hot_units(32)
+        first, second = _run(twell_ffn, inputs, grad_y, 0.4), _run(twell_ffn, inputs, grad_y, 0.4)
+    finally:
+        set_hot_units(None)
+    assert torch.equal(first[0].y, second[0].y)
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="hot units k=-1 must be >= 0"):
+        set_hot_units(-1)
+
+
 def test_unknown_backward_variant_is_rejected():
     with pytest.raises(ValueError, match="backward variant 'nope' is unknown"):
         set_backward_variant("nope")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hot", [None, 0])
 @pytest.mark.parametrize("F", [5632, 8192])
-def test_paper_sizes_on_gpu(F):
+def test_paper_sizes_on_gpu(F, hot):
+    """hot None: the default at 16384 tokens (DEFAULT_HOT_UNITS on dense GEMMs); 0: all sparse."""
     M, D = 16384, 2048
     inputs = _inputs(M, D, F, torch.bfloat16, mean_active=29.0)
     make_rows_dense(inputs[0], [0, 5000])
-    out = _check_against_reference(inputs)
+    set_hot_units(hot)
+    try:
+        out = _check_against_reference(inputs)
+    finally:
+        set_hot_units(None)
     assert int(out.overflow_rows) >= 2
     # Saved state beyond the inputs: <= 25% of what a dense FFN saves (g, u, h: 3 x [M, F]).
     saved = []
     leaves = [t.clone().requires_grad_() for t in inputs]
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        twell_ffn(*leaves)
+    set_hot_units(hot)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            twell_ffn(*leaves)
+    finally:
+        set_hot_units(None)
     ptrs = {t.data_ptr() for t in leaves}
     extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in ptrs)
     assert extra <= 0.25 * 3 * M * F * 2

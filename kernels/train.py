@@ -30,8 +30,9 @@ from ._common import check_ffn_args, check_kernel_device, interpreting
 from .gate import twell_gate, twell_gate_hot
 from .reference import FFNOutput
 from .train_format import build_pattern
-from .train_rowfwd import row_ffn_forward
-from .train_sparse import ONE, SPLIT2, SPLIT3, SUM2, entry_grads, segment_axpy
+from .train_hot import hot_backward, hot_forward
+from .train_rowfwd import row_dx, row_ffn_forward
+from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
@@ -92,7 +93,8 @@ def _ffn_train_fwd(
     if K:  # hot columns go to g_hot (dense), the cold ones to TwELL; overflow is decided on cold ones
         hg = twell_gate_hot(x, w_gate, K)
         tw, hot_idx, g_hot = hg.gate, hg.hot_idx, hg.g_hot
-        h_hot = g_hot * (x @ w_up.index_select(0, hot_idx).T)  # x's dtype, as a dense FFN rounds it
+        # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass
+        h_hot, l1_hot, active_hot = hot_forward(g_hot, x @ w_up.index_select(0, hot_idx).T)
         y_hot = h_hot @ w_down.index_select(0, hot_idx)
     else:
         tw = twell_gate(x, w_gate)
@@ -104,9 +106,9 @@ def _ffn_train_fwd(
     up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot)
     l1_sum = (pat.gate.float() * up).abs().sum()
     if K:
-        l1_sum = l1_sum + h_hot.float().abs().sum()
+        l1_sum = l1_sum + l1_hot
         unit_fires = hg.fires  # every positive of the batch, hot and cold (from the gate's bitmask)
-        row_active = pat.row_active + (g_hot > 0).sum(dim=1, dtype=torch.int32)
+        row_active = pat.row_active + active_hot
     else:
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
@@ -161,7 +163,7 @@ def _ffn_train_bwd(
     # dx first: the longest kernel that needs no CSC, so the host issues the CSC's ~20 small ops while
     # it runs instead of starving the GPU (H200, NOTES_TRAIN.md round 7: 5.35 ms of kernels, 7.4 ms wall).
     dx = torch.empty_like(x)
-    segment_axpy(row_ptr, cols, (d_gate, d_up), (w_gate, w_up), (dx,), SUM2, split=False)
+    row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     order = torch.argsort(cols, stable=True)
     # Column starts by binary search in the sorted columns: no host sync (bincount has one), no atomics.
@@ -191,10 +193,7 @@ def _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_
     from the column pass (no sparse entries there) and are overwritten."""
     wg, wu, wd = (w.index_select(0, hot_idx) for w in (w_gate, w_up, w_down))
     u_hot = x @ wu.T  # recomputed: one GEMM instead of saving [M, K] more
-    h_hot = g_hot * u_hot
-    dh = (dy @ wd.T).float() + l1_scale * torch.sign(h_hot.float())
-    d_gate = (dh * u_hot.float() * (g_hot > 0)).to(x.dtype)  # the ReLU mask
-    d_up = (dh * g_hot.float()).to(x.dtype)
+    d_gate, d_up, h_hot = hot_backward(dy @ wd.T, g_hot, u_hot, l1_scale)  # the ReLU mask included
     dx.addmm_(d_gate, wg).addmm_(d_up, wu)
     dw_gate.index_copy_(0, hot_idx, d_gate.T @ x)
     dw_up.index_copy_(0, hot_idx, d_up.T @ x)

@@ -87,3 +87,58 @@ def row_ffn_forward(
         BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
     )  # fmt: skip
     return up, y
+
+
+@triton.jit
+def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """dx[row] = sum over the row's entries of d_gate * w_gate[unit] + d_up * w_up[unit]: whole weight
+    rows per step, the forward's schedule (one program per row, no D slices re-reading the entries)."""
+    row = tl.program_id(0).to(tl.int64)
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < D
+    start = tl.load(row_ptr_ptr + row)
+    end = tl.load(row_ptr_ptr + row + 1)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
+        e0 = start
+        while e0 < end:
+            acc = _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D, CHUNK)
+            e0 += CHUNK
+    else:
+        for e0 in range(start, end, CHUNK):
+            acc = _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D, CHUNK)
+    tl.store(dx_ptr + row * D + ds, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    offs = e0 + tl.arange(0, CHUNK)
+    ok = offs < end
+    units = tl.load(cols_ptr + offs, mask=ok, other=0).to(tl.int64)
+    dg = tl.load(dg_ptr + offs, mask=ok, other=0.0)
+    du = tl.load(du_ptr + offs, mask=ok, other=0.0)
+    w_off = units[:, None] * D + ds[None, :]
+    live = ok[:, None] & d_ok[None, :]
+    wg = tl.load(wg_ptr + w_off, mask=live, other=0.0)
+    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+    return acc + tl.sum(dg[:, None] * wg.to(tl.float32) + du[:, None] * wu.to(tl.float32), axis=0)
+
+
+if interpreting():
+    _launch_dx = triton.heuristics({"CHUNK": lambda _args: 8})(_row_dx_kernel)
+else:
+    _launch_dx = triton.autotune(configs=_configs(), key=["D"])(_row_dx_kernel)
+
+
+def row_dx(
+    row_ptr: torch.Tensor, cols: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
+    w_up: torch.Tensor, dx: torch.Tensor,
+) -> None:  # fmt: skip
+    """dx [M, D] (fully written) = per row, sum of d_gate[e] w_gate[cols[e]] + d_up[e] w_up[cols[e]] over
+    the row's CSR entries (fp32 coefficients, fp32 accumulation); rows without entries get 0."""
+    M, D = dx.shape
+    _launch_dx[(M,)](
+        row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting()
+    )

@@ -169,6 +169,7 @@ def test_timed_run_on_the_dump(dump, tmp_path):
     )
     blob = json.loads(out.read_text())
     assert blob["source"] == str(dump[0])
-    assert [r["impl"] for r in blob["rows"]] == ["dense_eager"] + [f"twell_{v}" for v in BACKWARD_VARIANTS]
+    twell = [f"twell_{v}{h}" for v in BACKWARD_VARIANTS for h in ("", "_h1024")]  # --hot-units 0 1024
+    assert [r["impl"] for r in blob["rows"]] == ["dense_eager"] + twell
     for r in blob["rows"]:
         assert (r["source"], r["tokens"], r["d_model"], r["d_ff"]) == (str(dump[0]), 32, D, F) and r["ok"]

@@ -36,7 +36,12 @@ def _configs(shapes: tuple[tuple[int, int, int], ...]):
 # (BLOCK_E, BLOCK_D, warps) candidates that compile for sm_90 without register spills (checked with
 # cuobjdump --dump-resource-usage); small tiles keep more warps resident to hide the gather latency.
 # (8, 512, 8): 16-byte loads along D (8 bf16 a thread), a whole 1 KB row slice per warp per step.
-_SHAPES = ((16, 128, 4), (8, 256, 4), (16, 256, 4), (16, 256, 8), (32, 128, 8), (8, 512, 8))
+# (2-4, 1024-2048, 8): whole 2-4 KB rows per step and few D slices per item — the shape of the row
+# kernels that gather at ~4 TB/s, for passes bound by per-item cost (round 7; not yet spill-checked).
+_SHAPES = (
+    (16, 128, 4), (8, 256, 4), (16, 256, 4), (16, 256, 8), (32, 128, 8), (8, 512, 8),
+    (4, 1024, 8), (2, 2048, 8),
+)  # fmt: skip
 
 
 def _tuned(configs, key):
@@ -259,8 +264,8 @@ def _sum_partials_kernel(
 
 def dots_buffer(D: int, nnz: int, device) -> torch.Tensor:
     """Zeroed fp32 [rows, nnz] for ONE_DOT's per-slice partial dots: one row per 128 columns of D, rounded
-    up to whole 512-column blocks so every autotuning config stays in bounds (extra rows stay 0)."""
-    return torch.zeros((4 * triton.cdiv(D, 512), nnz), device=device, dtype=torch.float32)
+    up to whole 2048-column blocks so every autotuning config stays in bounds (extra rows stay 0)."""
+    return torch.zeros((16 * triton.cdiv(D, 2048), nnz), device=device, dtype=torch.float32)
 
 
 def _length_bucket(nnz: int, n_seg: int) -> int:

@@ -236,16 +236,19 @@ def _segment_axpy_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    item_ptr_ptr, part_ptr_ptr, p_ptr, o_ptr, stride_o, D: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    item_ptr_ptr, part_ptr_ptr, p_ptr, o0_ptr, o1_ptr, o2_ptr, stride_o, stride_p, D: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[s] = sum of the partial rows of segment s, in chunk order (deterministic), for split segments."""
+    """out_k[s] = sum of the partial rows of segment s, in chunk order (deterministic), for split
+    segments; k = program_id(2) picks the output (one launch for all of a pass's outputs)."""
     seg = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k = tl.program_id(2)
     mask_d = offs_d < D
     n_items = tl.load(item_ptr_ptr + seg + 1) - tl.load(item_ptr_ptr + seg)
     first = tl.load(part_ptr_ptr + seg)
     n_parts = tl.where(n_items > 1, n_items, 0)
+    p_ptr += k.to(tl.int64) * stride_p
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if WHILE_LOOP:
         j = 0
@@ -255,11 +258,76 @@ def _sum_partials_kernel(
     else:
         for j in range(0, n_parts):
             acc += tl.load(p_ptr + (first + j).to(tl.int64) * stride_o + offs_d, mask=mask_d, other=0.0)
-    tl.store(
-        o_ptr + seg.to(tl.int64) * stride_o + offs_d,
-        acc.to(o_ptr.dtype.element_ty),
-        mask=mask_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + n_items) > 1),  # broadcast: see above
+    mask = mask_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + n_items) > 1)  # broadcast: see above
+    out_offs = seg.to(tl.int64) * stride_o + offs_d
+    if k == 0:
+        tl.store(o0_ptr + out_offs, acc.to(o0_ptr.dtype.element_ty), mask=mask)
+    elif k == 1:
+        tl.store(o1_ptr + out_offs, acc.to(o1_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(o2_ptr + out_offs, acc.to(o2_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _work_list_kernel(
+    seg_ptr, item_ptr_ptr, part_ptr_ptr, item_seg_ptr, n_seg, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    """One program: the split pass's work list from the segment pointers. Per segment s, n_items =
+    max(1, ceil(len / CHUNK)) (an empty segment still writes its zeros); item_ptr / part_ptr = exclusive
+    prefix sums of n_items and of the split segments' items (their partial rows); item_seg[i] = the
+    segment of item i (entries past the last item keep the caller's fill, n_seg: invalid)."""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n_seg
+    start = tl.load(seg_ptr + offs, mask=ok, other=0)
+    end = tl.load(seg_ptr + offs + 1, mask=ok, other=0)
+    n_items = tl.where(ok, tl.maximum((end - start + CHUNK - 1) // CHUNK, 1), 0)
+    incl = tl.cumsum(n_items, axis=0)
+    first = offs == 0
+    tl.store(item_ptr_ptr + offs + 1, incl, mask=ok)
+    tl.store(item_ptr_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=first)
+    parts = tl.where(n_items > 1, n_items, 0)
+    tl.store(part_ptr_ptr + offs + 1, tl.cumsum(parts, axis=0), mask=ok)
+    tl.store(part_ptr_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=first)
+    excl = incl - n_items
+    most = tl.max(n_items, axis=0)
+    if WHILE_LOOP:
+        j = 0
+        while j < most:
+            tl.store(item_seg_ptr + excl + j, offs, mask=ok & (j < n_items))
+            j += 1
+    else:
+        for j in range(0, most):
+            tl.store(item_seg_ptr + excl + j, offs, mask=ok & (j < n_items))
+
+
+# Segments up to which the work list is one single-program kernel (vectors of next_pow2(n_seg)
+# elements); past it, torch ops build it (the CSC passes have n_seg = d_ff).
+WORK_LIST_MAX_SEGMENTS = 32768
+
+
+def _work_list(seg_ptr: torch.Tensor, n_seg: int, chunk: int, max_items: int):
+    """(item_ptr [n_seg + 1], part_ptr [n_seg + 1], item_seg [max_items]) int32; see _work_list_kernel."""
+    device = seg_ptr.device
+    if n_seg <= WORK_LIST_MAX_SEGMENTS:
+        item_ptr = torch.empty(n_seg + 1, device=device, dtype=torch.int32)
+        part_ptr = torch.empty(n_seg + 1, device=device, dtype=torch.int32)
+        item_seg = torch.full((max_items,), n_seg, device=device, dtype=torch.int32)
+        block = max(16, triton.next_power_of_2(n_seg))
+        warps = 4 if interpreting() else min(16, max(4, block // 1024))
+        _work_list_kernel[(1,)](
+            seg_ptr, item_ptr, part_ptr, item_seg, n_seg, CHUNK=chunk, BLOCK=block, WHILE_LOOP=interpreting(),
+            num_warps=warps,
+        )  # fmt: skip
+        return item_ptr, part_ptr, item_seg
+    seg_len = seg_ptr[1:] - seg_ptr[:-1]
+    n_items = ((seg_len + (chunk - 1)) // chunk).clamp_min(1)  # an empty segment still writes zeros
+    item_ptr = _exclusive_cumsum(n_items)
+    part_ptr = _exclusive_cumsum(torch.where(n_items > 1, n_items, 0))
+    item_seg = torch.searchsorted(
+        item_ptr[1:], torch.arange(max_items, device=device, dtype=torch.int32), right=True
     )
+    return item_ptr, part_ptr, item_seg.to(torch.int32)
 
 
 def dots_buffer(D: int, nnz: int, device) -> torch.Tensor:
@@ -321,29 +389,23 @@ def segment_axpy(
             _length_bucket(nnz, n_seg), D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=False,
         )  # fmt: skip
         return
-    seg_len = seg_ptr[1:] - seg_ptr[:-1]
-    n_items = ((seg_len + (chunk - 1)) // chunk).clamp_min(1)  # an empty segment still writes zeros
-    item_ptr = _exclusive_cumsum(n_items)
-    part_ptr = _exclusive_cumsum(torch.where(n_items > 1, n_items, 0))
     # sum max(1, ceil(len / chunk)) <= n_seg + nnz / chunk; split segments have len > chunk, so
     # their items, sum ceil(len / chunk) <= 2 * nnz / chunk, bound the partial rows.
     max_items = n_seg + nnz // chunk + 1
     max_parts = 2 * (nnz // chunk)
-    item_seg = torch.searchsorted(
-        item_ptr[1:], torch.arange(max_items, device=device, dtype=torch.int32), right=True
-    )
+    item_ptr, part_ptr, item_seg = _work_list(seg_ptr, n_seg, chunk, max_items)
     parts = torch.empty((len(outs), max(max_parts, 1), D), device=device, dtype=torch.float32)
     p = tuple(parts[min(i, len(outs) - 1)] for i in range(3))
 
     grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
     _segment_axpy_kernel[grid](
-        seg_ptr, item_seg.to(torch.int32), item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
+        seg_ptr, item_seg, item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
         o[0], o[1], o[2], p[0], p[1], p[2], parts if dots is None else dots, n_seg, nnz,
         s[0].stride(0), s[1].stride(0), o[0].stride(0), _length_bucket(nnz, n_seg),
         D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=True,
     )  # fmt: skip
     if max_parts:
-        for i, out in enumerate(outs):
-            _sum_partials_kernel[(n_seg, triton.cdiv(D, 256))](
-                item_ptr, part_ptr, parts[i], out, out.stride(0), D=D, WHILE_LOOP=interpreting(), BLOCK_D=256
-            )
+        _sum_partials_kernel[(n_seg, triton.cdiv(D, 256), len(outs))](
+            item_ptr, part_ptr, parts, o[0], o[1], o[2], o[0].stride(0), parts.stride(0), D=D,
+            WHILE_LOOP=interpreting(), BLOCK_D=256,
+        )  # fmt: skip

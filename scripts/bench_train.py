@@ -126,11 +126,46 @@ def _twell_y_l1(x, w_gate, w_up, w_down):
     return out.y, out.l1
 
 
+_L1_GRAD: dict = {}
+
+
+def _l1_grad(device) -> torch.Tensor:
+    """The L1 term's upstream gradient, made once per device: a per-step torch.tensor(..., device=cuda)
+    would be a host-to-device copy inside the timed step, which a training loop does not do."""
+    if device not in _L1_GRAD:
+        _L1_GRAD[device] = torch.tensor(L1_COEF, device=device)
+    return _L1_GRAD[device]
+
+
 def _step(fn, leaves, grad_y):
     for t in leaves:
         t.grad = None
     y, l1 = fn(*leaves)
-    torch.autograd.backward([y, l1], [grad_y, torch.tensor(L1_COEF, device=y.device)])
+    torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
+
+
+def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
+    """Median ms, from a synchronized start: the host returning from the forward (it includes the
+    TwELL forward's one sync), from the backward call (no sync inside: pure issue time), and the GPU
+    finishing. Backward issue time close to the GPU finish means the step is host-bound."""
+    import time
+
+    runs = []
+    for _ in range(reps + 1):
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y, l1 = fn(*leaves)
+        t1 = time.perf_counter()
+        torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        runs.append((1e3 * (t1 - t0), 1e3 * (t2 - t0), 1e3 * (t3 - t0)))
+    runs = sorted(runs[1:], key=lambda r: r[2])
+    fwd, bwd, done = runs[len(runs) // 2]
+    return {"host_fwd_ms": fwd, "host_bwd_issued_ms": bwd, "gpu_done_ms": done}
 
 
 def _saved_bytes(fn, leaves) -> int:
@@ -198,10 +233,17 @@ def _profile(leaves, grad_y, variant: str, hot: int = 0) -> list[dict]:
     from scripts.bench_ffn import kernel_times, print_kernel_times
 
     set_backward_variant(variant)
-    kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y), cpu_ops=25)
+    kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
     # the dozens of tiny glue kernels are summed in the total
     print_kernel_times(f"TwELL step, backward variant {variant}, hot units {hot}", kernels, wall, min_us=5)
-    return [{"variant": variant, "hot_units": hot, "wall_ms": wall, **k} for k in kernels]
+    host = host_times(_twell_y_l1, leaves, grad_y)
+    dense = host_times(dense_ffn_l1, leaves, grad_y)
+    print(
+        "  host (ms from a synchronized start): forward returned {host_fwd_ms:.3f}, backward issued "
+        "{host_bwd_issued_ms:.3f}, GPU done {gpu_done_ms:.3f}".format(**host)
+        + " | dense: {host_fwd_ms:.3f} / {host_bwd_issued_ms:.3f} / {gpu_done_ms:.3f}".format(**dense)
+    )
+    return [{"variant": variant, "hot_units": hot, "wall_ms": wall, **host, **k} for k in kernels]
 
 
 def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:

@@ -293,6 +293,23 @@ def test_segment_sums_split_long_segments_exactly(mode):
         torch.testing.assert_close(dots.sum(0).cpu().double(), ref_dots, rtol=1e-5, atol=1e-5)
 
 
+def test_work_list_kernel_matches_the_torch_build(monkeypatch):
+    """The single-program work list (item and partial pointers, item -> segment) equals the torch-op
+    build used past WORK_LIST_MAX_SEGMENTS, on empty, short and multi-chunk segments."""
+    import kernels.train_sparse as ts
+
+    lens = torch.tensor([0, 3, 17, 0, 40, 8, 1, 33], dtype=torch.int32)
+    seg_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)]).to(DEVICE)
+    chunk, n_seg = 8, lens.numel()
+    max_items = n_seg + int(lens.sum()) // chunk + 1
+    fast = ts._work_list(seg_ptr, n_seg, chunk, max_items)
+    monkeypatch.setattr(ts, "WORK_LIST_MAX_SEGMENTS", 0)
+    slow = ts._work_list(seg_ptr, n_seg, chunk, max_items)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert fast[0].tolist() == [0, 1, 2, 5, 6, 11, 12, 13, 18]  # ceil(len / 8), at least 1
+
+
 def test_sampled_dot_matches_gathered_rows():
     a, b = torch.randn(9, 128), torch.randn(17, 128)
     rows, cols = torch.randint(0, 9, (37,), dtype=torch.int32), torch.randint(0, 17, (37,), dtype=torch.int32)

@@ -29,7 +29,7 @@ from torch import Tensor
 from ._common import check_ffn_args, check_kernel_device, interpreting
 from .gate import twell_gate, twell_gate_hot
 from .reference import FFNOutput
-from .train_format import build_pattern
+from .train_format import build_pattern, to_csc
 from .train_hot import hot_backward, hot_forward
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
@@ -94,26 +94,28 @@ def _ffn_train_fwd(
         hg = twell_gate_hot(x, w_gate, K)
         tw, hot_idx, g_hot = hg.gate, hg.hot_idx, hg.g_hot
         # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass
-        h_hot, l1_hot, active_hot = hot_forward(g_hot, x @ w_up.index_select(0, hot_idx).T)
+        h_hot, l1_rows, active_hot = hot_forward(g_hot, x @ w_up.index_select(0, hot_idx).T)
         y_hot = h_hot @ w_down.index_select(0, hot_idx)
     else:
         tw = twell_gate(x, w_gate)
         hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
         g_hot = x.new_empty(M, 0)
-        y_hot = None
-    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
-    # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below.
-    up, y = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot)
-    l1_sum = (pat.gate.float() * up).abs().sum()
+        y_hot = l1_rows = active_hot = None
+    # row_active counts the hot positives too (active_hot added in the scan kernel)
+    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, active_init=active_hot)
+    row_active = pat.row_active
+    # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below. The row kernel
+    # also sums |h| per row on top of the hot units' share.
+    up, y, l1_rows = row_ffn_forward(
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
+    )
+    l1_sum = l1_rows.sum()
     if K:
-        l1_sum = l1_sum + l1_hot
         unit_fires = hg.fires  # every positive of the batch, hot and cold (from the gate's bitmask)
-        row_active = pat.row_active + active_hot
     else:
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
         unit_fires.index_add_(0, pat.cols, torch.ones_like(pat.cols))
-        row_active = pat.row_active
     if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
         if K:
@@ -165,13 +167,8 @@ def _ffn_train_bwd(
     dx = torch.empty_like(x)
     row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
-    order = torch.argsort(cols, stable=True)
-    # Column starts by binary search in the sorted columns: no host sync (bincount has one), no atomics.
-    units = torch.arange(F + 1, device=x.device, dtype=torch.int32)
-    col_ptr = torch.searchsorted(cols[order], units).to(torch.int32)
-    rows_by_col = rows[order]
+    col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    coefs = (d_gate[order], d_up[order], h[order])
     if variant == "fused3":
         segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
@@ -191,12 +188,16 @@ def _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_
     """The hot units' share of every gradient, as a dense FFN's autograd computes it (cuBLAS GEMMs on
     the gathered weight rows; coefficients rounded to x's dtype). Their weight-gradient rows hold zeros
     from the column pass (no sparse entries there) and are overwritten."""
-    wg, wu, wd = (w.index_select(0, hot_idx) for w in (w_gate, w_up, w_down))
-    u_hot = x @ wu.T  # recomputed: one GEMM instead of saving [M, K] more
-    d_gate, d_up, h_hot = hot_backward(dy @ wd.T, g_hot, u_hot, l1_scale)  # the ReLU mask included
-    dx.addmm_(d_gate, wg).addmm_(d_up, wu)
-    dw_gate.index_copy_(0, hot_idx, d_gate.T @ x)
-    dw_up.index_copy_(0, hot_idx, d_up.T @ x)
+    K, D = hot_idx.numel(), x.shape[1]
+    w_gu = x.new_empty(2 * K, D)  # [w_gate[hot]; w_up[hot]]: dx and dW_gate/dW_up one GEMM each
+    torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
+    torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
+    u_hot = x @ w_gu[K:].T  # recomputed: one GEMM instead of saving [M, K] more
+    d_gu, h_hot = hot_backward(dy @ w_down.index_select(0, hot_idx).T, g_hot, u_hot, l1_scale)
+    dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
+    dw_gu = d_gu.T @ x
+    dw_gate.index_copy_(0, hot_idx, dw_gu[:K])
+    dw_up.index_copy_(0, hot_idx, dw_gu[K:])
     dw_down.index_copy_(0, hot_idx, h_hot.T @ dy)
 
 

@@ -58,20 +58,57 @@ def _twell_to_csr_kernel(
     tl.store(rows_ptr + dst, tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int32) + row, mask=keep)
 
 
-def build_pattern(
-    counts: torch.Tensor, tw_cols: torch.Tensor, tw_vals: torch.Tensor, slots: int
-) -> TrainPattern:
-    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. One host sync (see module doc)."""
-    M, T = counts.shape
-    counts = counts.to(torch.int32).contiguous()
-    row_active = counts.sum(dim=1, dtype=torch.int32)
-    overflow = (counts > slots).any(dim=1)
-    row_nnz = torch.where(overflow, 0, row_active)
-    row_ptr = torch.zeros(M + 1, device=counts.device, dtype=torch.int32)
-    torch.cumsum(row_nnz, dim=0, dtype=torch.int32, out=row_ptr[1:])
-    nnz, n_ovf = torch.stack([row_ptr[-1].long(), overflow.sum()]).tolist()
+@triton.jit
+def _row_scan_kernel(
+    counts_ptr, active_init_ptr, row_active_ptr, row_ptr_ptr, ovf_ptr, totals_ptr, M, T,
+    SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Per row: positives (row_active, plus active_init when given), overflow flag (a tile holds more
+    than SLOTS) and CSR length (0 for overflow rows, into row_ptr[1 + row]); the batch totals (entries,
+    overflow rows) by integer atomics (exact, order-free). One launch instead of ~10 torch ops."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok_r = rows < M
+    ts = tl.arange(0, BLOCK_T)
+    ok = ok_r[:, None] & (ts[None, :] < T)
+    c = tl.load(counts_ptr + rows[:, None].to(tl.int64) * T + ts[None, :], mask=ok, other=0)
+    active = tl.sum(c, axis=1)
+    over = tl.max(c, axis=1) > SLOTS
+    nnz = tl.where(over, 0, active)
+    if HAS_INIT:
+        active += tl.load(active_init_ptr + rows, mask=ok_r, other=0)
+    tl.store(row_active_ptr + rows, active, mask=ok_r)
+    tl.store(row_ptr_ptr + 1 + rows, nnz, mask=ok_r)
+    tl.store(ovf_ptr + rows, over.to(tl.int8), mask=ok_r)
+    tl.store(row_ptr_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.int32), mask=rows == 0)
+    tl.atomic_add(totals_ptr, tl.sum(nnz, axis=0))
+    tl.atomic_add(totals_ptr + 1, tl.sum(over.to(tl.int32), axis=0))
 
+
+def build_pattern(
+    counts: torch.Tensor, tw_cols: torch.Tensor, tw_vals: torch.Tensor, slots: int,
+    active_init: torch.Tensor | None = None,
+) -> TrainPattern:  # fmt: skip
+    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. One host sync (see module doc).
+    active_init (int32 [M], optional): positives per row outside TwELL (hot units), added to row_active."""
+    M, T = counts.shape
     device = counts.device
+    counts = counts.to(torch.int32).contiguous()
+    row_active = torch.empty(M, device=device, dtype=torch.int32)
+    row_ptr = torch.empty(M + 1, device=device, dtype=torch.int32)
+    overflow = torch.empty(M, device=device, dtype=torch.int8)
+    totals = torch.zeros(2, device=device, dtype=torch.int32)
+    if M:
+        block_t = triton.next_power_of_2(T)
+        block_r = max(1, min(128, 4096 // block_t))
+        _row_scan_kernel[(triton.cdiv(M, block_r),)](
+            counts, active_init if active_init is not None else counts, row_active, row_ptr, overflow, totals,
+            M, T, SLOTS=slots, HAS_INIT=active_init is not None, BLOCK_R=block_r, BLOCK_T=block_t,
+        )  # fmt: skip
+    else:
+        row_ptr.zero_()
+    row_ptr[1:].cumsum_(0)  # in place, int32
+    nnz, n_ovf = totals.tolist()
+
     rows = torch.empty(nnz, device=device, dtype=torch.int32)
     cols = torch.empty(nnz, device=device, dtype=torch.int32)
     gate = torch.empty(nnz, device=device, dtype=tw_vals.dtype)
@@ -81,7 +118,52 @@ def build_pattern(
             SLOTS=slots, BLOCK_T=triton.next_power_of_2(T), BLOCK_S=triton.next_power_of_2(slots),
         )  # fmt: skip
     if n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
-        overflow_rows = torch.argsort(overflow.to(torch.int8), descending=True, stable=True)[:n_ovf]
+        overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
     return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active)
+
+
+@triton.jit
+def _permute_kernel(
+    order_ptr, rows_ptr, cols_ptr, a_ptr, b_ptr, c_ptr, o_rows_ptr, o_cols_ptr, o_a_ptr, o_b_ptr, o_c_ptr, n,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    src = tl.load(order_ptr + offs, mask=ok, other=0).to(tl.int64)
+    tl.store(o_rows_ptr + offs, tl.load(rows_ptr + src, mask=ok, other=0), mask=ok)
+    tl.store(o_cols_ptr + offs, tl.load(cols_ptr + src, mask=ok, other=0), mask=ok)
+    tl.store(o_a_ptr + offs, tl.load(a_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(o_b_ptr + offs, tl.load(b_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(o_c_ptr + offs, tl.load(c_ptr + src, mask=ok, other=0.0), mask=ok)
+
+
+_units_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def to_csc(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    n_cols: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Entries regrouped by column: (col_ptr int32 [n_cols + 1], rows by column, the three coefficient
+    arrays by column). A stable sort, so each column's rows stay in row order (deterministic column
+    sums); column starts by binary search in the sorted columns (no host sync, no atomics); the five
+    gathers in one kernel."""
+    device, n = cols.device, cols.numel()
+    order = torch.argsort(cols, stable=True)
+    out_rows, out_cols = torch.empty_like(rows), torch.empty_like(cols)
+    out = tuple(torch.empty_like(c) for c in coefs)
+    if n:
+        block = 1024
+        _permute_kernel[(triton.cdiv(n, block),)](
+            order, rows, cols, *coefs, out_rows, out_cols, *out, n, BLOCK=block, num_warps=4
+        )
+    key = (n_cols, device)
+    units = _units_cache.get(key)
+    if units is None:
+        units = _units_cache[key] = torch.arange(n_cols + 1, device=device, dtype=torch.int32)
+    col_ptr = torch.searchsorted(out_cols, units, out_int32=True)
+    return col_ptr, out_rows, out

@@ -36,40 +36,45 @@ def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, act_ptr, K: tl.constexpr, B
 
 
 def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h_hot [M, K] in g's dtype, sum|h| fp32 0-dim, positives per row int32 [M])."""
+    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M], positives per row int32 [M])."""
     M, K = g_hot.shape
     h = torch.empty_like(g_hot)
     l1_rows = torch.empty(M, dtype=torch.float32, device=g_hot.device)
     active = torch.empty(M, dtype=torch.int32, device=g_hot.device)
     block = min(1024, next_pow2(K)) if not interpreting() else min(64, next_pow2(K))
     _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, active, K=K, BLOCK_K=block, num_warps=4)
-    return h, l1_rows.sum(), active
+    return h, l1_rows, active
 
 
 @triton.jit
-def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, dg_ptr, du_ptr, h_ptr, n, BLOCK: tl.constexpr):
+def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, dgu_ptr, h_ptr, n, K: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    dg_off = offs + (offs // K) * K  # element (r, k) of d_gate at r * 2K + k; d_up K further
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     h = (g * u).to(h_ptr.dtype.element_ty)  # as the forward rounded it
     hf = h.to(tl.float32)
     sign = tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
     dh = tl.load(dhd_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(l1_ptr) * sign
-    tl.store(dg_ptr + offs, tl.where(g > 0, dh * u, 0.0).to(dg_ptr.dtype.element_ty), mask=ok)
-    tl.store(du_ptr + offs, (dh * g).to(du_ptr.dtype.element_ty), mask=ok)
+    tl.store(dgu_ptr + dg_off, tl.where(g > 0, dh * u, 0.0).to(dgu_ptr.dtype.element_ty), mask=ok)
+    tl.store(dgu_ptr + dg_off + K, (dh * g).to(dgu_ptr.dtype.element_ty), mask=ok)
     tl.store(h_ptr + offs, h, mask=ok)
 
 
 def hot_backward(
     dh_dense: torch.Tensor, g_hot: torch.Tensor, u_hot: torch.Tensor, l1_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up, h) [M, K] in g's dtype from dh_dense = dy @ w_down[hot]^T and the L1 scale
-    (fp32 0-dim device tensor: no host sync)."""
-    d_gate, d_up, h = (torch.empty_like(g_hot) for _ in range(3))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gu [M, 2K] = [d_gate | d_up], h [M, K]) in g's dtype from dh_dense = dy @ w_down[hot]^T and
+    the L1 scale (fp32 0-dim device tensor: no host sync). d_gate and d_up side by side, so that dx and
+    the two weight gradients each take one GEMM over both (against [w_gate[hot]; w_up[hot]])."""
+    M, K = g_hot.shape
+    d_gu = g_hot.new_empty(M, 2 * K)
+    h = torch.empty_like(g_hot)
     n = g_hot.numel()
     block = 1024 if not interpreting() else 256
     _hot_backward_kernel[(triton.cdiv(n, block),)](
-        dh_dense, g_hot, u_hot, l1_scale.reshape(1), d_gate, d_up, h, n, BLOCK=block, num_warps=4
+        dh_dense, g_hot, u_hot, l1_scale.reshape(1), d_gu, h, n, K=K, BLOCK=block, num_warps=4
     )
-    return d_gate, d_up, h
+    return d_gu, h

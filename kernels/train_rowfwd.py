@@ -16,7 +16,7 @@ from ._common import interpreting, next_pow2
 
 
 @triton.jit
-def _row_fwd_step(e0, end, acc, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D: tl.constexpr,
+def _row_fwd_step(e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D: tl.constexpr,
                   CHUNK: tl.constexpr):  # fmt: skip
     offs = e0 + tl.arange(0, CHUNK)
     ok = offs < end
@@ -28,7 +28,8 @@ def _row_fwd_step(e0, end, acc, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, d
     wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
     up = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
     tl.store(up_ptr + offs, up, mask=ok)
-    return acc + tl.sum((gate * up)[:, None] * wd.to(tl.float32), axis=0)
+    h = gate * up
+    return acc + tl.sum(h[:, None] * wd.to(tl.float32), axis=0), l1 + tl.sum(tl.abs(h), axis=0)
 
 
 def _configs():
@@ -38,7 +39,7 @@ def _configs():
 
 @triton.jit
 def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
+                    l1_ptr, l1_init_ptr, HAS_L1_INIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
                     CHUNK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
@@ -50,19 +51,24 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
         acc = tl.load(init_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # sum |g u| of the row in fp32 (the L1 term), on top of the hot units' share when given
+    l1 = tl.zeros([], dtype=tl.float32)
+    if HAS_L1_INIT:
+        l1 += tl.load(l1_init_ptr + row)
     if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
         e0 = start
         while e0 < end:
-            acc = _row_fwd_step(
-                e0, end, acc, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
+            acc, l1 = _row_fwd_step(
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
             )
             e0 += CHUNK
     else:
         for e0 in range(start, end, CHUNK):
-            acc = _row_fwd_step(
-                e0, end, acc, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
+            acc, l1 = _row_fwd_step(
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
             )
     tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(l1_ptr + row, l1)
 
 
 if interpreting():
@@ -73,20 +79,25 @@ else:
 
 def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
-    w_down: torch.Tensor, init: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    w_down: torch.Tensor, init: torch.Tensor | None = None, l1_init: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = init + sum over the row's entries of
-    gate * u * w_down[col]); init [M, D] (x's dtype) or None for zeros. All operands contiguous."""
+    gate * u * w_down[col], l1 fp32 [M] = l1_init + sum over the row's entries of |gate * u|); init
+    [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous."""
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
     if cols.numel() == 0:  # every row on the dense overflow path (or silent): nothing to gather
-        return up, (init.clone() if init is not None else torch.zeros_like(x))
+        y = init.clone() if init is not None else torch.zeros_like(x)
+        l1 = l1_init.clone() if l1_init is not None else x.new_zeros(M, dtype=torch.float32)
+        return up, y, l1
     y = torch.empty_like(x)
+    l1 = torch.empty(M, device=x.device, dtype=torch.float32)
     _launch[(M,)](
-        row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, D=D,
+        row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
+        l1_init if l1_init is not None else l1, HAS_L1_INIT=l1_init is not None, D=D,
         BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
     )  # fmt: skip
-    return up, y
+    return up, y, l1
 
 
 @triton.jit

@@ -310,6 +310,50 @@ def test_work_list_kernel_matches_the_torch_build(monkeypatch):
     assert fast[0].tolist() == [0, 1, 2, 5, 6, 11, 12, 13, 18]  # ceil(len / 8), at least 1
 
 
+def test_build_pattern_matches_a_torch_build_over_many_programs():
+    """The row scan (row_active with an outside share, overflow flags, row_ptr, totals by atomics over
+    many programs) and the CSR against the same quantities built with torch ops from TwELL tiles."""
+    from kernels.train_format import build_pattern
+
+    M, T, slots = 1000, 5, 4
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    counts = torch.randint(0, slots + 1, (M, T), generator=gen, dtype=torch.int32)
+    counts[torch.randperm(M, generator=gen)[:7], 2] = slots + 3  # overflow rows (count > slots)
+    cols = torch.randint(0, 64 * T, (M, T, slots), generator=gen, dtype=torch.int16)
+    vals = torch.rand(M, T, slots, generator=gen) + 0.5
+    extra = torch.randint(0, 9, (M,), generator=gen, dtype=torch.int32)
+    pat = build_pattern(*(t.to(DEVICE) for t in (counts, cols, vals)), slots, active_init=extra.to(DEVICE))
+    overflow = (counts > slots).any(dim=1)
+    assert torch.equal(pat.row_active.cpu(), counts.sum(1, dtype=torch.int32) + extra)
+    assert pat.overflow_rows.cpu().tolist() == overflow.nonzero().flatten().tolist()
+    row_nnz = torch.where(overflow, 0, counts.sum(1))
+    assert pat.row_ptr.cpu().tolist() == [0] + row_nnz.cumsum(0).tolist()
+    keep = (torch.arange(slots) < counts[..., None]) & ~overflow[:, None, None]  # [M, T, slots]
+    assert torch.equal(pat.cols.cpu(), cols[keep].to(torch.int32))
+    assert torch.equal(pat.gate.cpu(), vals[keep])
+    assert torch.equal(
+        pat.rows.cpu(), torch.arange(M)[:, None, None].expand(M, T, slots)[keep].to(torch.int32)
+    )
+
+
+def test_to_csc_groups_entries_by_column_stably():
+    from kernels.train_format import to_csc
+
+    n, F = 300, 40
+    rows = torch.arange(n, dtype=torch.int32) // 3
+    cols = torch.randint(0, F - 5, (n,), dtype=torch.int32)  # the last columns stay empty
+    coefs = tuple(torch.randn(n) for _ in range(3))
+    col_ptr, rows_c, coefs_c = to_csc(
+        *(t.to(DEVICE) for t in (rows, cols)), tuple(c.to(DEVICE) for c in coefs), F
+    )
+    order = torch.argsort(cols, stable=True)
+    assert col_ptr.dtype == torch.int32
+    assert col_ptr.cpu().tolist() == [0] + torch.bincount(cols, minlength=F).cumsum(0).tolist()
+    assert torch.equal(rows_c.cpu(), rows[order])
+    for got, c in zip(coefs_c, coefs):
+        assert torch.equal(got.cpu(), c[order])
+
+
 def test_sampled_dot_matches_gathered_rows():
     a, b = torch.randn(9, 128), torch.randn(17, 128)
     rows, cols = torch.randint(0, 9, (37,), dtype=torch.int32), torch.randint(0, 17, (37,), dtype=torch.int32)

@@ -93,17 +93,23 @@ def _ffn_train_fwd(
     if K:  # hot columns go to g_hot (dense), the cold ones to TwELL; overflow is decided on cold ones
         hg = twell_gate_hot(x, w_gate, K)
         tw, hot_idx, g_hot = hg.gate, hg.hot_idx, hg.g_hot
-        # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass
-        h_hot, l1_rows, active_hot = hot_forward(g_hot, x @ w_up.index_select(0, hot_idx).T)
-        y_hot = h_hot @ w_down.index_select(0, hot_idx)
     else:
         tw = twell_gate(x, w_gate)
         hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
         g_hot = x.new_empty(M, 0)
-        y_hot = l1_rows = active_hot = None
-    # row_active counts the hot positives too (active_hot added in the scan kernel)
-    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, active_init=active_hot)
-    row_active = pat.row_active
+    # The op's one host sync (the entry count) waits for the gate only: the hot units' GEMMs are issued
+    # after it, so the GPU runs them while the host issues the rest (the step is host-bound at 16k).
+    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
+    if K:
+        # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
+        # row_active = the pattern's cold positives + the hot ones
+        h_hot, l1_rows, row_active = hot_forward(
+            g_hot, x @ w_up.index_select(0, hot_idx).T, active_init=pat.row_active
+        )
+        y_hot = h_hot @ w_down.index_select(0, hot_idx)
+    else:
+        y_hot = l1_rows = None
+        row_active = pat.row_active
     # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below. The row kernel
     # also sums |h| per row on top of the hot units' share.
     up, y, l1_rows = row_ffn_forward(

@@ -60,10 +60,10 @@ def _twell_to_csr_kernel(
 
 @triton.jit
 def _row_scan_kernel(
-    counts_ptr, active_init_ptr, row_active_ptr, row_ptr_ptr, ovf_ptr, totals_ptr, M, T,
-    SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    counts_ptr, row_active_ptr, row_ptr_ptr, ovf_ptr, totals_ptr, M, T,
+    SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """Per row: positives (row_active, plus active_init when given), overflow flag (a tile holds more
+    """Per row: positives (row_active), overflow flag (a tile holds more
     than SLOTS) and CSR length (0 for overflow rows, into row_ptr[1 + row]); the batch totals (entries,
     overflow rows) by integer atomics (exact, order-free). One launch instead of ~10 torch ops."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -74,8 +74,6 @@ def _row_scan_kernel(
     active = tl.sum(c, axis=1)
     over = tl.max(c, axis=1) > SLOTS
     nnz = tl.where(over, 0, active)
-    if HAS_INIT:
-        active += tl.load(active_init_ptr + rows, mask=ok_r, other=0)
     tl.store(row_active_ptr + rows, active, mask=ok_r)
     tl.store(row_ptr_ptr + 1 + rows, nnz, mask=ok_r)
     tl.store(ovf_ptr + rows, over.to(tl.int8), mask=ok_r)
@@ -85,11 +83,9 @@ def _row_scan_kernel(
 
 
 def build_pattern(
-    counts: torch.Tensor, tw_cols: torch.Tensor, tw_vals: torch.Tensor, slots: int,
-    active_init: torch.Tensor | None = None,
-) -> TrainPattern:  # fmt: skip
-    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. One host sync (see module doc).
-    active_init (int32 [M], optional): positives per row outside TwELL (hot units), added to row_active."""
+    counts: torch.Tensor, tw_cols: torch.Tensor, tw_vals: torch.Tensor, slots: int
+) -> TrainPattern:
+    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. One host sync (see module doc)."""
     M, T = counts.shape
     device = counts.device
     counts = counts.to(torch.int32).contiguous()
@@ -101,8 +97,7 @@ def build_pattern(
         block_t = triton.next_power_of_2(T)
         block_r = max(1, min(128, 4096 // block_t))
         _row_scan_kernel[(triton.cdiv(M, block_r),)](
-            counts, active_init if active_init is not None else counts, row_active, row_ptr, overflow, totals,
-            M, T, SLOTS=slots, HAS_INIT=active_init is not None, BLOCK_R=block_r, BLOCK_T=block_t,
+            counts, row_active, row_ptr, overflow, totals, M, T, SLOTS=slots, BLOCK_R=block_r, BLOCK_T=block_t,
         )  # fmt: skip
     else:
         row_ptr.zero_()

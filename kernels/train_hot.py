@@ -18,7 +18,9 @@ from ._common import interpreting, next_pow2
 
 
 @triton.jit
-def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, act_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _hot_forward_kernel(
+    g_ptr, u_ptr, h_ptr, l1_ptr, act_ptr, act_init_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     acc_l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
     acc_n = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -32,17 +34,19 @@ def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, act_ptr, K: tl.constexpr, B
         acc_l1 += tl.abs(h.to(tl.float32))
         acc_n += (g > 0).to(tl.int32)
     tl.store(l1_ptr + row, tl.sum(acc_l1, axis=0))
-    tl.store(act_ptr + row, tl.sum(acc_n, axis=0))
+    tl.store(act_ptr + row, tl.sum(acc_n, axis=0) + tl.load(act_init_ptr + row))
 
 
-def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M], positives per row int32 [M])."""
+def hot_forward(
+    g_hot: torch.Tensor, u_hot: torch.Tensor, active_init: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M], active_init + positives per row int32 [M])."""
     M, K = g_hot.shape
     h = torch.empty_like(g_hot)
     l1_rows = torch.empty(M, dtype=torch.float32, device=g_hot.device)
     active = torch.empty(M, dtype=torch.int32, device=g_hot.device)
     block = min(1024, next_pow2(K)) if not interpreting() else min(64, next_pow2(K))
-    _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, active, K=K, BLOCK_K=block, num_warps=4)
+    _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, active, active_init, K=K, BLOCK_K=block, num_warps=4)
     return h, l1_rows, active
 
 

@@ -311,7 +311,7 @@ def test_work_list_kernel_matches_the_torch_build(monkeypatch):
 
 
 def test_build_pattern_matches_a_torch_build_over_many_programs():
-    """The row scan (row_active with an outside share, overflow flags, row_ptr, totals by atomics over
+    """The row scan (row_active, overflow flags, row_ptr, totals by atomics over
     many programs) and the CSR against the same quantities built with torch ops from TwELL tiles."""
     from kernels.train_format import build_pattern
 
@@ -321,10 +321,9 @@ def test_build_pattern_matches_a_torch_build_over_many_programs():
     counts[torch.randperm(M, generator=gen)[:7], 2] = slots + 3  # overflow rows (count > slots)
     cols = torch.randint(0, 64 * T, (M, T, slots), generator=gen, dtype=torch.int16)
     vals = torch.rand(M, T, slots, generator=gen) + 0.5
-    extra = torch.randint(0, 9, (M,), generator=gen, dtype=torch.int32)
-    pat = build_pattern(*(t.to(DEVICE) for t in (counts, cols, vals)), slots, active_init=extra.to(DEVICE))
+    pat = build_pattern(*(t.to(DEVICE) for t in (counts, cols, vals)), slots)
     overflow = (counts > slots).any(dim=1)
-    assert torch.equal(pat.row_active.cpu(), counts.sum(1, dtype=torch.int32) + extra)
+    assert torch.equal(pat.row_active.cpu(), counts.sum(1, dtype=torch.int32))
     assert pat.overflow_rows.cpu().tolist() == overflow.nonzero().flatten().tolist()
     row_nnz = torch.where(overflow, 0, counts.sum(1))
     assert pat.row_ptr.cpu().tolist() == [0] + row_nnz.cumsum(0).tolist()

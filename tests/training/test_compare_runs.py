@@ -55,11 +55,15 @@ def test_compare_runs_table_and_json(tmp_path):
 
 
 def test_compare_runs_errors_name_the_problem(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nope")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "nope")], capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "nope" in proc.stderr and "metrics.jsonl" in proc.stderr
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_loss": 2.0}))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "empty")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "empty")], capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "no training records" in proc.stderr
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "empty"), "--tail", "0"], capture_output=True, text=True

@@ -38,10 +38,10 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
 #             rows and writes all three weight gradients.
 #   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
-#   "auto" (default): the measured best per size on an H200: split from 65536 tokens (round 3:
-#             17.17 vs fused3 17.86 ms at 64k), fused3 below (16k tokens: 6.51 vs split 6.93 ms in
-#             kernels/NOTES.md round 7; round 3 had split ahead there, 6.95 vs 7.35 — within run-to-run
-#             spread, so the simpler, fewer-launch variant).
+#   "auto" (default): the measured best on an H200: split from 65536 tokens without hot units (round
+#             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
+#             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
+#             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 _settings = {"backward": "auto", "hot_units": None}
@@ -164,8 +164,8 @@ def _ffn_train_bwd(
     dy = grad_y.to(x.dtype).contiguous()
     l1_scale = grad_l1.float() / M  # d(sum|h| / M)/dh = sign(h) / M, times the upstream gradient
     variant = _settings["backward"]
-    if variant == "auto":
-        variant = "fused3" if M < 65536 else "split"
+    if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
+        variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
     # Per entry, one kernel: dh = dy . w_down + l1_scale * sign(h); d_gate = dh * u; d_up = dh * g; h.
     d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
     # dx first: the longest kernel that needs no CSC, so the host issues the CSC's ~20 small ops while

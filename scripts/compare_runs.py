@@ -63,7 +63,9 @@ def summarize(run: Path, tail: int, d_ff: int | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path, help="run dirs (or metrics.jsonl files); the first is the baseline")
+    p.add_argument(
+        "runs", nargs="+", type=Path, help="run dirs (or metrics.jsonl files); the first is the baseline"
+    )
     p.add_argument("--tail", type=int, default=5, help="training records averaged for CE (default 5)")
     p.add_argument("--d-ff", type=int, help="hidden width (default: inferred from active_mean / active_frac)")
     p.add_argument("--out", type=Path, help="also write the rows as JSON")

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
+from .train_sparse import _tuned
 
 
 @triton.jit
@@ -39,8 +40,8 @@ def _configs():
 
 @triton.jit
 def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
-                    l1_ptr, l1_init_ptr, HAS_L1_INIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
-                    CHUNK: tl.constexpr):  # fmt: skip
+                    l1_ptr, l1_init_ptr, HAS_L1_INIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
@@ -71,10 +72,7 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
     tl.store(l1_ptr + row, l1)
 
 
-if interpreting():
-    _launch = triton.heuristics({"CHUNK": lambda _args: 8})(_row_fwd_kernel)
-else:
-    _launch = triton.autotune(configs=_configs(), key=["D"])(_row_fwd_kernel)
+_launch = _tuned(_configs(), key=["D"])(_row_fwd_kernel)
 
 
 def row_ffn_forward(
@@ -137,10 +135,7 @@ def _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_o
     return acc + tl.sum(dg[:, None] * wg.to(tl.float32) + du[:, None] * wu.to(tl.float32), axis=0)
 
 
-if interpreting():
-    _launch_dx = triton.heuristics({"CHUNK": lambda _args: 8})(_row_dx_kernel)
-else:
-    _launch_dx = triton.autotune(configs=_configs(), key=["D"])(_row_dx_kernel)
+_launch_dx = _tuned(_configs(), key=["D"])(_row_dx_kernel)
 
 
 def row_dx(

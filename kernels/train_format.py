@@ -63,9 +63,9 @@ def _row_scan_kernel(
     counts_ptr, row_active_ptr, row_ptr_ptr, ovf_ptr, totals_ptr, M, T,
     SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """Per row: positives (row_active), overflow flag (a tile holds more
-    than SLOTS) and CSR length (0 for overflow rows, into row_ptr[1 + row]); the batch totals (entries,
-    overflow rows) by integer atomics (exact, order-free). One launch instead of ~10 torch ops."""
+    """Per row: positives (row_active), overflow flag (a tile holds more than SLOTS) and CSR length
+    (0 for overflow rows, into row_ptr[1 + row]); the batch totals (entries, overflow rows) by integer
+    atomics (exact, order-free). One launch instead of ~10 torch ops."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok_r = rows < M
     ts = tl.arange(0, BLOCK_T)

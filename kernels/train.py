@@ -68,11 +68,16 @@ def set_hot_units(k: int | None) -> None:
     _settings["hot_units"] = None if k is None else int(k)
 
 
-def hot_units_for(M: int, F: int) -> int:
-    k = _settings["hot_units"]
+def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
+    """Hot units a call with M rows and d_ff F takes: `hot_units` when given, else the module setting
+    (set_hot_units), else the default (DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on a GPU, at most
+    F / 4)."""
+    k = _settings["hot_units"] if hot_units is None else hot_units
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"hot_units={k!r} must be an integer >= 0 (0 turns them off) or None (the default)")
     if k is None:
-        k = DEFAULT_HOT_UNITS if M >= HOT_MIN_TOKENS and not interpreting() else 0
-    return min(k, F // 4 if _settings["hot_units"] is None else F)
+        return min(DEFAULT_HOT_UNITS if M >= HOT_MIN_TOKENS and not interpreting() else 0, F // 4)
+    return min(k, F)
 
 
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -250,8 +255,13 @@ def _backward(ctx, grad_y, grad_l1, *_unused):
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def twell_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> FFNOutput:
+def twell_ffn(
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, hot_units: int | None = None
+) -> FFNOutput:
     """Training op of the ReLU-gated FFN; autograd w.r.t. all four inputs (see module doc).
+
+    hot_units: the K most-firing units of the batch computed on dense GEMMs (0: off; None: the module
+    setting of set_hot_units, else DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on a GPU).
 
     Under autocast the operands are cast to the autocast dtype first (custom kernels take no part in
     autocast; the casts are differentiable, so fp32 master weights still receive gradients).
@@ -263,6 +273,6 @@ def twell_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> FFNOut
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     y, l1, row_active, unit_fires, n_overflow, *_saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down, hot_units_for(x.shape[0], w_gate.shape[0])
+        x, w_gate, w_up, w_down, hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
     )
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

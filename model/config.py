@@ -52,6 +52,9 @@ class ModelConfig:
     ffn_impl: str = "dense"  # "dense" | "twell" | "auto" (per layer, by measured activity)
     twell_threshold: float = 50.0  # "auto": a layer goes sparse while mean active units/token < this
     twell_check_interval: int = 20  # "auto": optimizer steps between routing re-checks (trainer)
+    # TwELL: the K most-firing units of a batch on dense GEMMs (0: off; None: the kernels' default,
+    # 1024 from 16384 tokens per call on a GPU; kernels/NOTES*.md measure it)
+    twell_hot_units: int | None = None
     name: str = ""  # preset name, "" for a custom shape
 
     def __post_init__(self) -> None:
@@ -67,6 +70,11 @@ class ModelConfig:
                 raise ValueError(f"{field}={value!r} must be positive")
         if self.twell_check_interval <= 0:
             raise ValueError(f"twell_check_interval={self.twell_check_interval} must be a positive integer")
+        hot = self.twell_hot_units
+        if hot is not None and (isinstance(hot, bool) or not isinstance(hot, int) or hot < 0):
+            raise ValueError(
+                f"twell_hot_units={hot!r} must be an integer >= 0 (0 turns hot units off) or null (the default)"
+            )
         if self.d_model % 64:
             raise ValueError(f"d_model={self.d_model} must be a multiple of 64 (the FFN kernels tile by 64)")
         if self.d_ff % 64:

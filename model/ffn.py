@@ -61,9 +61,17 @@ class ReLUGatedFFN(nn.Module):
     `Transformer.update_ffn_routing`, dense otherwise (dense at start: early training is dense).
     """
 
-    def __init__(self, d_model: int, d_ff: int, impl: str = "dense", init_std: float = 0.02):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        impl: str = "dense",
+        init_std: float = 0.02,
+        hot_units: int | None = None,
+    ):
         super().__init__()
         self.d_model, self.d_ff, self.impl, self.init_std = d_model, d_ff, impl, init_std
+        self.hot_units = hot_units  # TwELL hot units (None: the kernels' default; see ModelConfig)
         self.w_gate = nn.Parameter(torch.empty(d_ff, d_model))
         self.w_up = nn.Parameter(torch.empty(d_ff, d_model))
         self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
@@ -135,9 +143,9 @@ class ReLUGatedFFN(nn.Module):
         else:
             weights = tuple(w.to(x2d.dtype) for w in weights)
         if not with_stats and not torch.is_grad_enabled():
-            y = kernels.twell_ffn_inference(x2d, *weights)
+            y = kernels.twell_ffn_inference(x2d, *weights, hot_units=self.hot_units)
             return y.view(*x.shape[:-1], self.d_model), None, None
-        out = kernels.twell_ffn(x2d, *weights)
+        out = kernels.twell_ffn(x2d, *weights, hot_units=self.hot_units)
         y = out.y.view(*x.shape[:-1], self.d_model)
         if not with_stats:
             return y, None, None

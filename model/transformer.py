@@ -37,7 +37,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = ReLUGatedFFN(cfg.d_model, cfg.d_ff, cfg.ffn_impl, cfg.init_std)
+        self.ffn = ReLUGatedFFN(cfg.d_model, cfg.d_ff, cfg.ffn_impl, cfg.init_std, cfg.twell_hot_units)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_stats: bool = True):
         x = x + self.attn(self.attn_norm(x), cos, sin)

@@ -431,6 +431,14 @@ def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="hot units k=-1 must be >= 0"):
         set_hot_units(-1)
+    # The per-call argument (what ModelConfig.twell_hot_units reaches) equals the module setting.
+    third = _run(lambda *t: twell_ffn(*t, hot_units=32), inputs, grad_y, 0.4)
+    assert torch.equal(third[0].y, first[0].y)
+    for a, b in zip(third[1], first[1]):
+        assert torch.equal(a, b)
+    assert hot_units_for(33, 192, 0) == 0 and hot_units_for(33, 192, 500) == 192
+    with pytest.raises(ValueError, match=r"hot_units=-2 must be an integer >= 0"):
+        twell_ffn(*inputs, hot_units=-2)
 
 
 def test_unknown_backward_variant_is_rejected():

@@ -107,13 +107,19 @@ def _kernels_ready():
 
 
 @pytest.mark.skipif(not _kernels_ready(), reason="kernels.twell_ffn not available yet")
-def test_twell_path_matches_dense_outputs_l1_stats_and_grads():
+@pytest.mark.parametrize("hot_units", [None, 16])
+def test_twell_path_matches_dense_outputs_l1_stats_and_grads(hot_units, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    import kernels.train
+
+    taken = []  # hot units each training call used: the config must reach the kernel
+    choose = kernels.train.hot_units_for
+    monkeypatch.setattr(kernels.train, "hot_units_for", lambda *a: taken.append(choose(*a)) or taken[-1])
     base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128)
     dense = Transformer(ModelConfig(**base, ffn_impl="dense")).to(device)
-    twell = Transformer(ModelConfig(**base, ffn_impl="twell")).to(device)
+    twell = Transformer(ModelConfig(**base, ffn_impl="twell", twell_hot_units=hot_units)).to(device)
     twell.load_state_dict(dense.state_dict())
     tokens = torch.randint(0, 256, (2, 8), device=device)
     a, b = dense(tokens), twell(tokens)
@@ -125,5 +131,6 @@ def test_twell_path_matches_dense_outputs_l1_stats_and_grads():
     (b.logits.sum() + b.l1).backward()
     for (name, p), q in zip(dense.named_parameters(), twell.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-3, rtol=1e-3, msg=name)
+    assert taken == [16, 16] if hot_units == 16 else taken == [0, 0]  # 16 tokens: default is off
     with torch.no_grad():
         torch.testing.assert_close(twell(tokens, with_stats=False).logits, a.logits, atol=1e-4, rtol=1e-4)

@@ -48,6 +48,8 @@ def test_preset_overrides_and_unknown_preset():
         (dict(n_layers=0), "n_layers=0 must be a positive integer"),
         (dict(max_seq_len=-1), "max_seq_len=-1 must be a positive integer"),
         (dict(norm_eps=0.0), "norm_eps=0.0 must be positive"),
+        (dict(twell_hot_units=-1), r"twell_hot_units=-1 must be an integer >= 0 \(0 turns hot units off\)"),
+        (dict(twell_hot_units=2.5), "twell_hot_units=2.5 must be an integer"),
     ],
 )
 def test_bad_config_values_name_the_value(overrides, message):

@@ -486,24 +486,17 @@ _tuned_compact_bits = triton.autotune(
 )(_compact_bits_kernel)
 
 
-def _hot_bits(hot_pos: torch.Tensor) -> torch.Tensor:
-    """[F // 32] int32 words, bit c % 32 set iff column c is hot (device ops only, no host sync)."""
-    hot = (hot_pos >= 0).view(-1, 32).to(torch.int64)
-    words = (hot << torch.arange(32, device=hot_pos.device)).sum(1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def launch_compact_bits(
     h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None, hot_bits=None
 ) -> None:
     """TwELL format from h [M, F] and its positive bitmask bits [M, F // 32] (the dense_bits epilogue);
-    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled (hot_bits: the hot
-    columns' word mask, derived from hot_pos when not given)."""
+    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled, and hot_bits is the hot
+    columns' word mask (select_hot_units writes both)."""
     M, F = h.shape
     T = cdiv(F, tile_n)
     hot = hot_pos is not None
-    if hot and hot_bits is None:
-        hot_bits = _hot_bits(hot_pos)
+    if hot and (g_hot is None or hot_bits is None):
+        raise ValueError("launch_compact_bits: hot_pos needs g_hot and hot_bits (from select_hot_units)")
     args = (
         h, bits, counts, cols, vals, hot_pos if hot else counts, hot_bits if hot else counts,
         g_hot if hot else vals, M, F, g_hot.shape[1] if hot else 1, min(next_pow2(M), 1 << 17),

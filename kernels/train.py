@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import check_ffn_args, check_kernel_device, interpreting
+from ._common import check_ffn_args, check_kernel_device
 from .gate import twell_gate, twell_gate_hot
+from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, to_csc
 from .train_hot import hot_backward, hot_forward
@@ -45,13 +46,12 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 _settings = {"backward": "auto", "hot_units": None}
-# Hot units (as in inference): from HOT_MIN_TOKENS tokens on, the DEFAULT_HOT_UNITS units that fire
-# most often in the batch (exact counts, one selection kernel) take every product on tensor cores
-# (cuBLAS GEMMs on their gathered weight rows: ~75% of the entries at paper-like skew with 1024 of
-# 5632 units); the sparse kernels keep the rest. Saved for backward: their gate values [M, K] (x's
-# dtype; 6% of a dense FFN's saved activations at K 1024 / d_ff 5632); u is recomputed.
-HOT_MIN_TOKENS = 16384
-DEFAULT_HOT_UNITS = 1024
+# Hot units, with inference's default (kernels.inference.default_hot_units: 1024 units from 16384
+# tokens on a GPU, measured best for both ops): the units that fire most often in the batch (exact
+# counts, one selection kernel) take every product on tensor cores (cuBLAS GEMMs on their gathered
+# weight rows: ~75% of the entries at paper-like skew with 1024 of 5632 units); the sparse kernels
+# keep the rest. Saved for backward: their gate values [M, K] (x's dtype; 6% of a dense FFN's saved
+# activations at K 1024 / d_ff 5632); u is recomputed.
 
 
 def set_backward_variant(name: str) -> None:
@@ -61,8 +61,8 @@ def set_backward_variant(name: str) -> None:
 
 
 def set_hot_units(k: int | None) -> None:
-    """Hot units of the training op: None = the default (DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens
-    on a GPU, else 0), 0 = off, k > 0 = k units at every size (capped at d_ff)."""
+    """Hot units of the training op: None = the default (inference's default_hot_units), 0 = off,
+    k > 0 = k units at every size (capped at d_ff)."""
     if k is not None and int(k) < 0:
         raise ValueError(f"hot units k={k} must be >= 0 (0 turns them off, None restores the default)")
     _settings["hot_units"] = None if k is None else int(k)
@@ -70,13 +70,12 @@ def set_hot_units(k: int | None) -> None:
 
 def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     """Hot units a call with M rows and d_ff F takes: `hot_units` when given, else the module setting
-    (set_hot_units), else the default (DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on a GPU, at most
-    F / 4)."""
+    (set_hot_units), else the default (inference's default_hot_units)."""
     k = _settings["hot_units"] if hot_units is None else hot_units
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"hot_units={k!r} must be an integer >= 0 (0 turns them off) or None (the default)")
     if k is None:
-        return min(DEFAULT_HOT_UNITS if M >= HOT_MIN_TOKENS and not interpreting() else 0, F // 4)
+        return default_hot_units(M, F)
     return min(k, F)
 
 
@@ -261,7 +260,7 @@ def twell_ffn(
     """Training op of the ReLU-gated FFN; autograd w.r.t. all four inputs (see module doc).
 
     hot_units: the K most-firing units of the batch computed on dense GEMMs (0: off; None: the module
-    setting of set_hot_units, else DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on a GPU).
+    setting of set_hot_units, else inference's default_hot_units: 1024 from 16384 tokens on a GPU).
 
     Under autocast the operands are cast to the autocast dtype first (custom kernels take no part in
     autocast; the casts are differentiable, so fp32 master weights still receive gradients).

@@ -64,11 +64,9 @@ def timed(fn, use_graph: bool, rep_ms: int) -> float:
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
 
 
-def kernel_times(fn, cpu_ops: int = 0) -> tuple[list[dict], float]:
+def kernel_times(fn) -> tuple[list[dict], float]:
     """The GPU kernels one call of fn() launches, in launch order, with their times (torch.profiler),
-    and the wall ms of one unprofiled call from launch to synchronize (GPU time + launch gaps).
-    cpu_ops > 0 also prints that many host-side ops with the most self CPU time (where launch gaps
-    come from when the host cannot keep up)."""
+    and the wall ms of one unprofiled call from launch to synchronize (GPU time + launch gaps)."""
     import time
 
     from torch.autograd import DeviceType
@@ -82,16 +80,9 @@ def kernel_times(fn, cpu_ops: int = 0) -> tuple[list[dict], float]:
         fn()
         torch.cuda.synchronize()
         walls.append(1e3 * (time.perf_counter() - t0))
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    if cpu_ops:
-        print(
-            prof.key_averages().table(
-                sort_by="self_cpu_time_total", row_limit=cpu_ops, max_name_column_width=60
-            )
-        )
     kernels = [
         {"kernel": e.name, "us": e.time_range.elapsed_us(), "start": e.time_range.start}
         for e in prof.events()

@@ -95,7 +95,7 @@ stage_decode() {
 # Where the time goes: per-kernel GPU times and wall time of one call of each inference variant
 # (decode, 16k and 131k tokens) and of one training step at 16k tokens.
 stage_profile() {
-  python3 scripts/bench_ffn.py --tokens 1 64 16384 131072 --hot-units 0 512 --rep 25 --profile \
+  python3 scripts/bench_ffn.py --tokens 1 64 16384 131072 --hot-units 0 1024 --rep 25 --profile \
     --out "$OUT/profile_ffn.json" 2>&1 | tee "$OUT/profile_ffn.txt"
   python3 scripts/bench_train.py --quick --no-compile --profile --out "$OUT/profile_train.json" 2>&1 \
     | tee "$OUT/profile_train.txt"

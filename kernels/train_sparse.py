@@ -1,13 +1,14 @@
-"""The two sparse primitives every product of the TwELL training op reduces to.
+"""The entry- and column-parallel sparse products of the TwELL training backward.
 
-The forward and backward of the ReLU-gated FFN, restricted to the activation pattern, are six
-sparse products plus elementwise work. Each product is one of two shapes:
+(The row-parallel ones, u and y in the forward and dx in the backward, are whole-row kernels in
+train_rowfwd.py.)
 
-* sampled dot: `out[e] = A[rows[e]] . B[cols[e]]` for every stored entry e (u = x . w_up at the
-  pattern, dh = dy . w_down at the pattern). Entry-parallel, so heavy rows do not serialise.
-* segment gather-axpy: `out[s] = sum_{e in segment s} coef[e] * src[gidx[e]]`. Row segments
-  (CSR) give y = h w_down and dx = dg w_gate + du w_up; column segments (CSC) give the weight
-  gradients dW = coef^T x. Deterministic: every output row is summed by one program, no atomics.
+* entry grads: the sampled dot `dh[e] = dy[rows[e]] . w_down[cols[e]]` for every stored entry e,
+  with the per-entry gradients in its epilogue. Entry-parallel, so heavy rows do not serialise.
+* segment gather-axpy over column segments (CSC): `out[s] = sum_{e in segment s} coef[e] *
+  src[gidx[e]]` gives the weight gradients dW = coef^T x (and h^T dy). Deterministic: each output
+  row is summed in a fixed order (long columns in chunks whose partials a second kernel adds in
+  order), no atomics.
 
 Both run on CUDA cores: at ~0.5% density a tensor-core tile would be >99% zeros. They are bound by
 the bytes of the gathered rows (see kernels/NOTES_TRAIN.md).
@@ -22,11 +23,9 @@ import triton.language as tl
 from ._common import interpreting
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
-ONE = 0  # out0 = sum c0 * src0[g]
-SUM2 = 1  # out0 = sum c0 * src0[g] + c1 * src1[g]         (dx: two weight matrices, one output)
+ONE = 0  # out0 = sum c0 * src0[g]                              (dW_down alone)
 SPLIT2 = 2  # out0 = sum c0 * src0[g], out1 = sum c1 * src0[g]  (dW_gate, dW_up share the x rows)
 SPLIT3 = 3  # SPLIT2 plus out2 = sum c2 * src1[g]             (all three weight gradients at once)
-ONE_DOT = 4  # ONE plus, per entry, src0[g] . src1[segment]  (dW_down and dh in one pass over dy rows)
 
 
 def _configs(shapes: tuple[tuple[int, int, int], ...]):
@@ -59,10 +58,9 @@ def _tuned(configs, key):
 
 @_tuned(_configs(_SHAPES), key=["D"])
 @triton.jit
-def _sampled_dot_kernel(
-    rows_ptr, cols_ptr, a_ptr, b_ptr, out_ptr, nnz, stride_a, stride_b,
-    gate_ptr, up_ptr, l1_ptr, du_ptr, h_ptr,
-    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, GRADS: tl.constexpr,
+def _entry_grads_kernel(
+    rows_ptr, cols_ptr, dy_ptr, wd_ptr, d_gate_ptr, nnz, stride_dy, stride_wd, gate_ptr, up_ptr, l1_ptr,
+    d_up_ptr, h_ptr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < nnz
@@ -73,33 +71,17 @@ def _sampled_dot_kernel(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask = mask_e[:, None] & (offs_d[None, :] < D)
-        a = tl.load(a_ptr + rows[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0)
-        b = tl.load(b_ptr + cols[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0)
+        a = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_d[None, :], mask=mask, other=0.0)
+        b = tl.load(wd_ptr + cols[:, None] * stride_wd + offs_d[None, :], mask=mask, other=0.0)
         acc += a.to(tl.float32) * b.to(tl.float32)
-    dot = tl.sum(acc, axis=1)
-    if GRADS:  # the training backward's per-entry gradients, h = g * u (see entry_grads)
-        g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
-        h = g * u
-        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
-        dh = dot + tl.load(l1_ptr) * sign
-        tl.store(out_ptr + offs_e, dh * u, mask=mask_e)
-        tl.store(du_ptr + offs_e, dh * g, mask=mask_e)
-        tl.store(h_ptr + offs_e, h, mask=mask_e)
-    else:
-        tl.store(out_ptr + offs_e, dot, mask=mask_e)
-
-
-def sampled_dot(rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 [nnz]: `a[rows[e]] . b[cols[e]]`; a [M, D] and b [F, D] row-major (unit last stride)."""
-    nnz, D = rows.numel(), a.shape[1]
-    out = torch.empty(nnz, device=a.device, dtype=torch.float32)
-    if nnz:
-        grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
-        _sampled_dot_kernel[grid](
-            rows, cols, a, b, out, nnz, a.stride(0), b.stride(0), out, out, out, out, out, D=D, GRADS=False
-        )
-    return out
+    g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
+    h = g * u
+    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+    dh = tl.sum(acc, axis=1) + tl.load(l1_ptr) * sign
+    tl.store(d_gate_ptr + offs_e, dh * u, mask=mask_e)
+    tl.store(d_up_ptr + offs_e, dh * g, mask=mask_e)
+    tl.store(h_ptr + offs_e, h, mask=mask_e)
 
 
 def entry_grads(
@@ -113,9 +95,9 @@ def entry_grads(
     d_gate, d_up, h = (torch.empty(nnz, device=dy.device, dtype=torch.float32) for _ in range(3))
     if nnz:
         grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
-        _sampled_dot_kernel[grid](
+        _entry_grads_kernel[grid](
             rows, cols, dy, w_down, d_gate, nnz, dy.stride(0), w_down.stride(0), gate, up,
-            l1_scale.reshape(1), d_up, h, D=D, GRADS=True,
+            l1_scale.reshape(1), d_up, h, D=D,
         )  # fmt: skip
     return d_gate, d_up, h
 
@@ -123,8 +105,7 @@ def entry_grads(
 @triton.jit
 def _segment_step(
     e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, offs_d, mask_d,
-    stride_s0, stride_s1, seg_row, dots_ptr, dots_stride, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_s0, stride_s1, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Entries e0 .. e0 + BLOCK_E of one segment: gather their source rows, scale, accumulate."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
@@ -135,10 +116,6 @@ def _segment_step(
     t0 = tl.load(s0_ptr + g[:, None] * stride_s0 + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     # [BLOCK_E, BLOCK_D] accumulators: plain FMAs here, the reduction over entries happens once at the end.
     acc0 += c0[:, None] * t0
-    if MODE == 1:
-        c1 = tl.load(c1_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
-        t1 = tl.load(s1_ptr + g[:, None] * stride_s1 + offs_d[None, :], mask=mask, other=0.0)
-        acc0 += c1[:, None] * t1.to(tl.float32)
     if MODE == 2 or MODE == 3:
         c1 = tl.load(c1_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         acc1 += c1[:, None] * t0
@@ -146,13 +123,6 @@ def _segment_step(
         c2 = tl.load(c2_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
         t2 = tl.load(s1_ptr + g[:, None] * stride_s1 + offs_d[None, :], mask=mask, other=0.0)
         acc2 += c2[:, None] * t2.to(tl.float32)
-    if MODE == 4:  # each 128-wide D slice's share of each entry's dot with the segment's own row
-        # Rows of `dots` are 128-column slices whatever BLOCK_D is, so every row is rewritten by every
-        # config the autotuner tries (no stale partials left by a narrower trial config).
-        NSUB: tl.constexpr = BLOCK_D // 128
-        part = tl.sum(tl.reshape(t0 * seg_row[None, :], [BLOCK_E, NSUB, 128]), axis=2)
-        subs = tl.arange(0, NSUB)
-        tl.store(dots_ptr + subs[None, :] * dots_stride + offs_e[:, None], part, mask=mask_e[:, None])
     return acc0, acc1, acc2
 
 
@@ -167,57 +137,42 @@ def _store_sum(acc, out_ptr, part_ptr, out_offs, part_offs, direct, partial):
 @triton.jit
 def _segment_axpy_kernel(
     seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-    o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, dots_ptr, n_seg, nnz, stride_s0, stride_s1, stride_o,
+    o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, n_seg, stride_s0, stride_s1, stride_o,
     LEN_BUCKET, D: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if SPLIT:
-        # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of
-        # rows) is spread over many programs instead of one that finishes long after the rest.
-        seg = tl.load(item_seg_ptr + item)
-        valid = seg < n_seg  # the grid is an upper bound on the number of items
-        seg = tl.minimum(seg, n_seg - 1)
-        first_item = tl.load(item_ptr_ptr + seg)
-        n_items = tl.load(item_ptr_ptr + seg + 1) - first_item
-        chunk = item - first_item
-        start = tl.load(seg_ptr + seg) + chunk * CHUNK
-        end = tl.minimum(tl.load(seg_ptr + seg + 1), start + CHUNK)
-        end = tl.where(valid, end, start)
-        part_row = tl.load(part_ptr_ptr + seg) + chunk
-    else:  # one program per segment (short segments: CSR rows)
-        seg = item
-        valid = seg < n_seg
-        n_items = 1
-        part_row = 0
-        start = tl.load(seg_ptr + seg)
-        end = tl.load(seg_ptr + seg + 1)
+    # Work item = up to CHUNK entries of one segment, so a hot unit's long column (thousands of
+    # rows) is spread over many programs instead of one that finishes long after the rest.
+    seg = tl.load(item_seg_ptr + item)
+    valid = seg < n_seg  # the grid is an upper bound on the number of items
+    seg = tl.minimum(seg, n_seg - 1)
+    first_item = tl.load(item_ptr_ptr + seg)
+    n_items = tl.load(item_ptr_ptr + seg + 1) - first_item
+    chunk = item - first_item
+    start = tl.load(seg_ptr + seg) + chunk * CHUNK
+    end = tl.minimum(tl.load(seg_ptr + seg + 1), start + CHUNK)
+    end = tl.where(valid, end, start)
+    part_row = tl.load(part_ptr_ptr + seg) + chunk
     mask_d = offs_d < D
     acc0 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
-    if MODE == 4:
-        seg_row = tl.load(s1_ptr + seg.to(tl.int64) * stride_s1 + offs_d, mask=mask_d, other=0.0).to(
-            tl.float32
-        )
-    else:
-        seg_row = tl.zeros([BLOCK_D], dtype=tl.float32)
-    dots_ptr += tl.program_id(1).to(tl.int64) * (BLOCK_D // 128) * nnz  # this program's 128-column slices
     if WHILE_LOOP:
         # The interpreter (with numpy >= 2) cannot run range() over loaded bounds; a while loop works.
         e0 = start
         while e0 < end:
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, nnz, MODE, BLOCK_E, BLOCK_D,
+                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
             )  # fmt: skip
             e0 += BLOCK_E
     else:
         for e0 in range(start, end, BLOCK_E):
             acc0, acc1, acc2 = _segment_step(
                 e0, end, acc0, acc1, acc2, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
-                offs_d, mask_d, stride_s0, stride_s1, seg_row, dots_ptr, nnz, MODE, BLOCK_E, BLOCK_D,
+                offs_d, mask_d, stride_s0, stride_s1, MODE, BLOCK_E,
             )  # fmt: skip
     out_offs = seg.to(tl.int64) * stride_o + offs_d
     part_offs = (part_row + tl.zeros([BLOCK_D], dtype=tl.int64)) * stride_o + offs_d
@@ -330,15 +285,10 @@ def _work_list(seg_ptr: torch.Tensor, n_seg: int, chunk: int, max_items: int):
     return item_ptr, part_ptr, item_seg.to(torch.int32)
 
 
-def dots_buffer(D: int, nnz: int, device) -> torch.Tensor:
-    """Zeroed fp32 [rows, nnz] for ONE_DOT's per-slice partial dots: one row per 128 columns of D, rounded
-    up to whole 2048-column blocks so every autotuning config stays in bounds (extra rows stay 0)."""
-    return torch.zeros((16 * triton.cdiv(D, 2048), nnz), device=device, dtype=torch.float32)
-
-
 def _length_bucket(nnz: int, n_seg: int) -> int:
-    """Mean segment length, rounded to a power of two: keys the autotuning so that short row segments
-    (~30 entries) and long column segments (~100-400) get their own tile shapes."""
+    """Mean segment length, rounded to a power of two: keys the autotuning so that short columns (hot
+    units on tensor cores leave the sparse kernels ~25% of the entries) and long ones (~100-400
+    entries) get their own tile shapes."""
     return min(triton.next_power_of_2(max(nnz // max(n_seg, 1), 1)), 1024)
 
 
@@ -356,17 +306,12 @@ def segment_axpy(
     outs: tuple[torch.Tensor, ...],
     mode: int,
     chunk: int = 512,
-    dots: torch.Tensor | None = None,
-    split: bool = True,
 ) -> None:
     """Fill `outs` ([n_seg, D] each, fully written) with segment sums of gathered source rows.
 
     seg_ptr int32 [n_seg + 1] (segment s = entries seg_ptr[s]:seg_ptr[s+1]); gidx [nnz] the source
     row of each entry; coefs fp32 [nnz] each. The number of coefs/sources/outs follows `mode`.
-    ONE_DOT also writes dots[k, e] = src0[gidx[e], slice k] . src1[segment of e, slice k] for each
-    128-column slice k of D (`dots_buffer(D, nnz)`; the sum over its rows is the full dot).
-    split=False (segments known to be short, e.g. CSR rows): one program per segment, no work list.
-    Otherwise segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
+    Segments longer than `chunk` entries are split over several programs whose fp32 partial sums a
     second kernel adds up in order: no atomics, bit-identical results run to run, no host sync
     (the grid and the partial buffer are sized by bounds known from nnz).
     """
@@ -381,14 +326,6 @@ def segment_axpy(
     o = outs + (outs[0],) * (3 - len(outs))
     assert all(t.stride(1) == 1 for t in s + o) and all(t.stride(0) == D for t in o)
 
-    if not split:  # short segments (rows): one program each, no work list, no partials
-        grid = lambda meta: (n_seg, triton.cdiv(D, meta["BLOCK_D"]))
-        _segment_axpy_kernel[grid](
-            seg_ptr, seg_ptr, seg_ptr, seg_ptr, gidx, c[0], c[1], c[2], s[0], s[1], o[0], o[1], o[2],
-            o[0], o[0], o[0], o[0], n_seg, nnz, s[0].stride(0), s[1].stride(0), o[0].stride(0),
-            _length_bucket(nnz, n_seg), D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=False,
-        )  # fmt: skip
-        return
     # sum max(1, ceil(len / chunk)) <= n_seg + nnz / chunk; split segments have len > chunk, so
     # their items, sum ceil(len / chunk) <= 2 * nnz / chunk, bound the partial rows.
     max_items = n_seg + nnz // chunk + 1
@@ -400,9 +337,8 @@ def segment_axpy(
     grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
     _segment_axpy_kernel[grid](
         seg_ptr, item_seg, item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
-        o[0], o[1], o[2], p[0], p[1], p[2], parts if dots is None else dots, n_seg, nnz,
-        s[0].stride(0), s[1].stride(0), o[0].stride(0), _length_bucket(nnz, n_seg),
-        D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(), SPLIT=True,
+        o[0], o[1], o[2], p[0], p[1], p[2], n_seg, s[0].stride(0), s[1].stride(0), o[0].stride(0),
+        _length_bucket(nnz, n_seg), D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
     )  # fmt: skip
     if max_parts:
         _sum_partials_kernel[(n_seg, triton.cdiv(D, 256), len(outs))](

@@ -19,16 +19,7 @@ from kernels.synthetic import (
     paper_like_ffn_inputs,
 )
 from kernels.train import BACKWARD_VARIANTS, hot_units_for, set_backward_variant, set_hot_units, twell_ffn
-from kernels.train_sparse import (
-    ONE,
-    ONE_DOT,
-    SPLIT3,
-    SUM2,
-    dots_buffer,
-    entry_grads,
-    sampled_dot,
-    segment_axpy,
-)
+from kernels.train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -251,7 +242,7 @@ def test_custom_ops_pass_opcheck():
         )
 
 
-@pytest.mark.parametrize("mode", [ONE, SUM2, SPLIT3, ONE_DOT])
+@pytest.mark.parametrize("mode", [ONE, SPLIT2, SPLIT3])
 def test_segment_sums_split_long_segments_exactly(mode):
     # Segments of 0 .. 40 entries with chunk 8: empty, single-chunk and many-chunk segments (a hot unit).
     n_seg, n_src, D = 11, 13, 64
@@ -271,26 +262,21 @@ def test_segment_sums_split_long_segments_exactly(mode):
 
     if mode == ONE:
         expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources[:1])
-    elif mode == SUM2:
-        expected, used = [seg_sum(coefs[0], sources[0]) + seg_sum(coefs[1], sources[1])], (coefs[:2], sources)
-    elif mode == SPLIT3:
+    elif mode == SPLIT2:  # two coefficients over the same gathered rows (dW_gate, dW_up)
+        expected = [seg_sum(coefs[0], sources[0]), seg_sum(coefs[1], sources[0])]
+        used = (coefs[:2], sources[:1])
+    else:  # SPLIT3
         expected = [
             seg_sum(coefs[0], sources[0]),
             seg_sum(coefs[1], sources[0]),
             seg_sum(coefs[2], sources[1]),
         ]
         used = (coefs, sources)
-    else:  # ONE_DOT: also each entry's dot with its segment's own row of sources[1]
-        expected, used = [seg_sum(coefs[0], sources[0])], (coefs[:1], sources)
     outs = tuple(torch.full((n_seg, D), float("nan"), device=DEVICE) for _ in expected)  # poisoned
     on_device = [tuple(t.to(DEVICE) for t in group) for group in used]
-    dots = dots_buffer(D, nnz, DEVICE)
-    segment_axpy(seg_ptr.to(DEVICE), gidx.to(DEVICE), *on_device, outs, mode, chunk=8, dots=dots)
+    segment_axpy(seg_ptr.to(DEVICE), gidx.to(DEVICE), *on_device, outs, mode, chunk=8)
     for out, ref in zip(outs, expected):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
-    if mode == ONE_DOT:
-        ref_dots = (sources[0].double()[gidx.long()] * sources[1].double()[owner]).sum(1)
-        torch.testing.assert_close(dots.sum(0).cpu().double(), ref_dots, rtol=1e-5, atol=1e-5)
 
 
 def test_work_list_kernel_matches_the_torch_build(monkeypatch):
@@ -351,14 +337,6 @@ def test_to_csc_groups_entries_by_column_stably():
     assert torch.equal(rows_c.cpu(), rows[order])
     for got, c in zip(coefs_c, coefs):
         assert torch.equal(got.cpu(), c[order])
-
-
-def test_sampled_dot_matches_gathered_rows():
-    a, b = torch.randn(9, 128), torch.randn(17, 128)
-    rows, cols = torch.randint(0, 9, (37,), dtype=torch.int32), torch.randint(0, 17, (37,), dtype=torch.int32)
-    expected = (a.double()[rows.long()] * b.double()[cols.long()]).sum(1)
-    got = sampled_dot(*(t.to(DEVICE) for t in (rows, cols, a, b)))
-    torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("l1", [0.0, 3e-4])

@@ -9,6 +9,7 @@ Forward (x [M, D]; w_gate, w_up, w_down [F, D], w_down neuron-major):
 Saved for backward: x and the weights (inputs, saved by any FFN) plus per entry its row, column,
 gate and up values (16 bytes an entry: ~8 MB at 16k tokens x 30 active, against ~550 MB of dense
 [M, F] activations). Overflow rows save nothing: backward recomputes their g and u densely.
+The entry list is sized without a host sync after a layer's first call (see SIZES).
 
 Backward, on the same pattern:
   dh = dy . w_down at the entries (sampled dot) + grad_l1 * sign(h) / M
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import check_ffn_args, check_kernel_device
 from .gate import twell_gate, twell_gate_hot
@@ -45,13 +47,37 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 #             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
-_settings = {"backward": "auto", "hot_units": None}
+# Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
+# and checks the true count once the forward is issued (no host sync while the gate runs; a call that
+# does not fit is redone exactly); "exact" waits for the count after the gate (the first call of a
+# layer always does).
+SIZES = ("estimate", "exact")
+_settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
+# Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
+_capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _with_margin(nnz: int) -> int:
+    """Entry capacity for the next call after one with nnz entries: +1/8 + 2048, in 1024 steps (batches
+    of a layer differ by a few %; a miss costs one redone pass, an extra slot 16 bytes)."""
+    return (nnz + nnz // 8 + 2048) // 1024 * 1024
+
+
+def set_sizes(mode: str) -> None:
+    """How the forward sizes its entry list: "estimate" (default, no host sync while the gate runs) or
+    "exact" (one sync per call)."""
+    if mode not in SIZES:
+        raise ValueError(f"sizes {mode!r} is unknown; choose one of {SIZES}")
+    _settings["sizes"] = mode
+
+
 # Hot units, with inference's default (kernels.inference.default_hot_units: 1024 units from 16384
 # tokens on a GPU, measured best for both ops): the units that fire most often in the batch (exact
 # counts, one selection kernel) take every product on tensor cores (cuBLAS GEMMs on their gathered
 # weight rows: ~75% of the entries at paper-like skew with 1024 of 5632 units); the sparse kernels
-# keep the rest. Saved for backward: their gate values [M, K] (x's dtype; 6% of a dense FFN's saved
-# activations at K 1024 / d_ff 5632); u is recomputed.
+# keep the rest. Saved for backward: their gate and up values [M, K] each (x's dtype; 12% of a dense
+# FFN's saved activations at K 1024 / d_ff 5632: saving u costs one GEMM less than recomputing it) and
+# their gathered weight rows (12 MB at d_model 2048).
 
 
 def set_backward_variant(name: str) -> None:
@@ -88,31 +114,54 @@ def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[T
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
 def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
 ) -> tuple[
-    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
-]:
-    M, F = x.shape[0], w_gate.shape[0]
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+    Tensor, Tensor, Tensor,
+]:  # fmt: skip
     K = hot_units
     if K:  # hot columns go to g_hot (dense), the cold ones to TwELL; overflow is decided on cold ones
         hg = twell_gate_hot(x, w_gate, K)
-        tw, hot_idx, g_hot = hg.gate, hg.hot_idx, hg.g_hot
+        tw, hot_idx, g_hot, fires = hg.gate, hg.hot_idx, hg.g_hot, hg.fires
+        # The hot units' weight rows, gathered once and saved: [w_gate[hot]; w_up[hot]] serves the
+        # backward's dx and dW_gate/dW_up GEMMs (one each), w_down[hot] both passes (12 MB at K 1024).
+        w_gu = x.new_empty(2 * K, x.shape[1])
+        torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
+        torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
+        w_down_hot = w_down.index_select(0, hot_idx)
     else:
         tw = twell_gate(x, w_gate)
         hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
-        g_hot = x.new_empty(M, 0)
-    # The op's one host sync (the entry count) waits for the gate only: the hot units' GEMMs are issued
-    # after it, so the GPU runs them while the host issues the rest (the step is host-bound at 16k).
-    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots)
+        g_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
+        fires = None
+    hot = (hot_idx, g_hot, w_gu, w_down_hot)
+    if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
+        out = _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity)
+        if out is not None:
+            return out
+    return _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, None)
+
+
+def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
+    """Everything after the gate: pattern, up/down products, L1 and statistics. With a capacity the
+    host issues it all without waiting and reads the true counts at the end (they are long computed by
+    then): None if the entries did not fit or a row overflowed (the caller redoes it exactly)."""
+    M, F = x.shape[0], w_gate.shape[0]
+    hot_idx, g_hot, w_gu, w_down_hot = hot
+    K = hot_idx.numel()
+    # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
+    # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
+    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, capacity)
     if K:
         # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
-        # row_active = the pattern's cold positives + the hot ones
-        h_hot, l1_rows, row_active = hot_forward(
-            g_hot, x @ w_up.index_select(0, hot_idx).T, active_init=pat.row_active
-        )
-        y_hot = h_hot @ w_down.index_select(0, hot_idx)
+        # row_active = the pattern's cold positives + the hot ones. u is saved for backward (32 MB at
+        # 16k x 1024: one GEMM less than recomputing it).
+        u_hot = x @ w_gu[K:].T
+        h_hot, l1_rows, row_active = hot_forward(g_hot, u_hot, active_init=pat.row_active)
+        y_hot = h_hot @ w_down_hot
     else:
         y_hot = l1_rows = None
+        u_hot = x.new_empty(0, 0)  # outputs of a custom op may not alias each other
         row_active = pat.row_active
     # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below. The row kernel
     # also sums |h| per row on top of the hot units' share.
@@ -120,12 +169,18 @@ def _ffn_train_fwd(
         pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
     )
     l1_sum = l1_rows.sum()
-    if K:
-        unit_fires = hg.fires  # every positive of the batch, hot and cold (from the gate's bitmask)
+    rows, cols, gate = pat.rows, pat.cols, pat.gate
+    if pat.pending is not None:
+        nnz, n_ovf = pat.pending.read()
+        if n_ovf or nnz > capacity:
+            return None
+        rows, cols, gate, up = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz]
+    if fires is not None:
+        unit_fires = fires  # every positive of the batch, hot and cold (from the gate's bitmask)
     else:
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
-        unit_fires.index_add_(0, pat.cols, torch.ones_like(pat.cols))
+        unit_fires.index_add_(0, cols, torch.ones_like(cols))
     if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
         if K:
@@ -139,22 +194,25 @@ def _ffn_train_fwd(
     n_overflow = torch.full((), pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
     return (
         y, l1_sum / M, row_active, unit_fires, n_overflow,
-        pat.row_ptr, pat.rows, pat.cols, pat.gate, up, pat.overflow_rows, hot_idx, g_hot,
+        pat.row_ptr, rows, cols, gate, up, pat.overflow_rows, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 
 
 @_ffn_train_fwd.register_fake
-def _(x, w_gate, w_up, w_down, hot_units):
+def _(x, w_gate, w_up, w_down, hot_units, capacity):
     (M, D), F = x.shape, w_gate.shape[0]
     ctx = torch.library.get_ctx()
     nnz, n_ovf = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
+    K = hot_units
     return (
         x.new_empty(M, D), x.new_empty((), dtype=torch.float32), x.new_empty(M, **i32),
         x.new_empty(F, **i32), x.new_empty((), **i32), x.new_empty(M + 1, **i32),
         x.new_empty(nnz, **i32), x.new_empty(nnz, **i32), x.new_empty(nnz),
         x.new_empty(nnz, dtype=torch.float32), x.new_empty(n_ovf, dtype=torch.int64),
-        x.new_empty(hot_units, dtype=torch.int64), x.new_empty(M, hot_units),
+        x.new_empty(K, dtype=torch.int64), x.new_empty(M, K) if K else x.new_empty(0, 0),
+        x.new_empty(M, K) if K else x.new_empty(0, 0), x.new_empty(2 * K, D) if K else x.new_empty(0, 0),
+        x.new_empty(K, D) if K else x.new_empty(0, 0),
     )  # fmt: skip
 
 
@@ -162,7 +220,7 @@ def _(x, w_gate, w_up, w_down, hot_units):
 def _ffn_train_bwd(
     grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, overflow_rows: Tensor,
-    hot_idx: Tensor, g_hot: Tensor,
+    hot_idx: Tensor, g_hot: Tensor, u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
@@ -190,20 +248,17 @@ def _ffn_train_bwd(
         dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, hot_idx, dx, dw_gate, dw_up, dw_down
     )
     if hot_idx.numel():
-        _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_gate, dw_up, dw_down)
+        _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down
 
 
-def _hot_backward(dy, l1_scale, x, w_gate, w_up, w_down, hot_idx, g_hot, dx, dw_gate, dw_up, dw_down):
+def _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down):
     """The hot units' share of every gradient, as a dense FFN's autograd computes it (cuBLAS GEMMs on
-    the gathered weight rows; coefficients rounded to x's dtype). Their weight-gradient rows hold zeros
-    from the column pass (no sparse entries there) and are overwritten."""
-    K, D = hot_idx.numel(), x.shape[1]
-    w_gu = x.new_empty(2 * K, D)  # [w_gate[hot]; w_up[hot]]: dx and dW_gate/dW_up one GEMM each
-    torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
-    torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
-    u_hot = x @ w_gu[K:].T  # recomputed: one GEMM instead of saving [M, K] more
-    d_gu, h_hot = hot_backward(dy @ w_down.index_select(0, hot_idx).T, g_hot, u_hot, l1_scale)
+    the weight rows the forward gathered, w_gu = [w_gate[hot]; w_up[hot]]; coefficients rounded to x's
+    dtype). Their weight-gradient rows hold zeros from the column pass (no sparse entries there) and
+    are overwritten."""
+    K = hot_idx.numel()
+    d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, l1_scale)
     dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
     dw_gu = d_gu.T @ x
     dw_gate.index_copy_(0, hot_idx, dw_gu[:K])
@@ -232,7 +287,7 @@ def _overflow_backward(
 
 
 @_ffn_train_bwd.register_fake
-def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows, hot_idx, g_hot):
+def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows, *hot):
     return x.new_empty(x.shape), *(w.new_empty(w.shape) for w in (w_gate, w_up, w_down))
 
 
@@ -248,7 +303,7 @@ def _backward(ctx, grad_y, grad_l1, *_unused):
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None)
+    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -265,13 +320,23 @@ def twell_ffn(
     Under autocast the operands are cast to the autocast dtype first (custom kernels take no part in
     autocast; the casts are differentiable, so fp32 master weights still receive gradients).
     """
+    layer = w_gate  # the caller's tensor (before any autocast cast): the key of its entry-count history
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
-    y, l1, row_active, unit_fires, n_overflow, *_saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down, hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
+    M, K = x.shape[0], hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
+    # Sized from this layer's last call (no host sync, see _sparse_forward); a compiled graph takes the
+    # exact path (its trace must not depend on history).
+    track = _settings["sizes"] == "estimate" and not torch.compiler.is_compiling()
+    history = _capacities.get(layer) if track else None
+    capacity = history.get((M, K), 0) if history else 0
+    y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
+        x, w_gate, w_up, w_down, K, capacity
     )
+    if track:  # next call: this one's entries plus a margin; exact after a call with overflow rows
+        nnz, overflow_rows = saved[1].numel(), saved[5].numel()
+        _capacities.setdefault(layer, {})[(M, K)] = 0 if overflow_rows else _with_margin(nnz)
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

@@ -8,9 +8,14 @@ values than the slots (an overflow tile, whose extra entries TwELL did not keep)
 CSR entirely and listed in `overflow_rows`; the training op computes those rows densely. Nothing
 is dropped and nothing has a capacity: the CSR is sized from the true counts.
 
-One host sync per call reads the entry count (to size the CSR exactly, which is what keeps the
-saved state small) and the overflow-row count. The gate GEMM dominates the time before it, so the
-GPU idles only for the launch latency of the next kernel (~10 us of a ~ms layer).
+Sizes. Exact (`capacity=None`): one host sync reads the entry and overflow-row counts and the CSR
+is sized from them. With a `capacity` (the training op's default after its first call on a layer:
+the previous call's count plus a margin) nothing waits: the CSR is sized `capacity`, row_ptr is
+clamped to it so no kernel reads or writes past it, and the totals travel to host memory behind
+the kernels (`pending`). The caller reads them once it has issued its work and redoes the call
+exactly if the entries did not fit or a row overflowed (a rare miss costs one more pass; a wrong
+result is never returned). The host thus issues the layer while the gate GEMM runs instead of
+waiting for it: the step at 16k tokens is host-bound on an H200 (kernels/NOTES_TRAIN.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,31 @@ import triton
 import triton.language as tl
 
 
+class PendingTotals:
+    """(entries, overflow rows) of a pattern built with a capacity: copied device -> pinned host memory
+    behind the kernels that computed them; read() waits for that copy only (not for later work)."""
+
+    _host: dict[torch.device, torch.Tensor] = {}  # one pinned pair per device, read before reuse
+
+    def __init__(self, totals: torch.Tensor):
+        self._event = None
+        if totals.is_cuda:
+            buf = self._host.get(totals.device)
+            if buf is None:
+                buf = self._host[totals.device] = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            buf.copy_(totals, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            totals = buf
+        self._totals = totals
+
+    def read(self) -> tuple[int, int]:
+        if self._event is not None:
+            self._event.synchronize()
+        nnz, n_ovf = self._totals.tolist()
+        return nnz, n_ovf
+
+
 class TrainPattern(NamedTuple):
     """The activation pattern of h = relu(x w_gate^T) * (x w_up^T), in CSR form."""
 
@@ -31,6 +61,9 @@ class TrainPattern(NamedTuple):
     gate: torch.Tensor  # [nnz] dtype of x: relu(x w_gate^T) at the entry, > 0
     overflow_rows: torch.Tensor  # int64 [n_ovf]: rows computed densely (a TwELL tile overflowed)
     row_active: torch.Tensor  # int32 [M]: positive gate values per row (overflow rows included)
+    # Built with a capacity: the four entry arrays hold `capacity` slots (the first nnz valid once
+    # pending.read() shows nnz <= capacity), overflow_rows is empty and read() gives the true counts.
+    pending: PendingTotals | None = None
 
 
 @triton.jit
@@ -48,9 +81,11 @@ def _twell_to_csr_kernel(
     fits = (tl.zeros([BLOCK_T], dtype=tl.int32) + tl.max(counts, axis=0)) <= SLOTS
     tile_start = tl.cumsum(counts, axis=0) - counts  # exclusive prefix: where each tile's run begins
     base = tl.load(row_ptr_ptr + row)
+    end = tl.load(row_ptr_ptr + row + 1)  # clamped to the capacity when one is given: never write past it
     keep = mask_t[:, None] & (offs_s[None, :] < counts[:, None]) & fits[:, None]
     src = (row * T + offs_t[:, None]).to(tl.int64) * SLOTS + offs_s[None, :]
     dst = base + tile_start[:, None] + offs_s[None, :]
+    keep = keep & (dst < end)
     col = tl.load(tw_cols_ptr + src, mask=keep, other=0)
     val = tl.load(tw_vals_ptr + src, mask=keep, other=0.0)
     tl.store(cols_ptr + dst, col.to(tl.int32), mask=keep)
@@ -83,9 +118,14 @@ def _row_scan_kernel(
 
 
 def build_pattern(
-    counts: torch.Tensor, tw_cols: torch.Tensor, tw_vals: torch.Tensor, slots: int
+    counts: torch.Tensor,
+    tw_cols: torch.Tensor,
+    tw_vals: torch.Tensor,
+    slots: int,
+    capacity: int | None = None,
 ) -> TrainPattern:
-    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. One host sync (see module doc)."""
+    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. Exact sizes with one host sync,
+    or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc)."""
     M, T = counts.shape
     device = counts.device
     counts = counts.to(torch.int32).contiguous()
@@ -102,7 +142,13 @@ def build_pattern(
     else:
         row_ptr.zero_()
     row_ptr[1:].cumsum_(0)  # in place, int32
-    nnz, n_ovf = totals.tolist()
+    if capacity is not None:
+        row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
+        pending = PendingTotals(totals)
+        nnz, n_ovf = capacity, 0
+    else:
+        pending = None
+        nnz, n_ovf = totals.tolist()
 
     rows = torch.empty(nnz, device=device, dtype=torch.int32)
     cols = torch.empty(nnz, device=device, dtype=torch.int32)
@@ -116,7 +162,7 @@ def build_pattern(
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active)
+    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, pending)
 
 
 @triton.jit

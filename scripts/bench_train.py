@@ -32,7 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels._common import check_ffn_args  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, set_hot_units, twell_ffn  # noqa: E402
+from kernels.train import (  # noqa: E402
+    BACKWARD_VARIANTS,
+    SIZES,
+    set_backward_variant,
+    set_hot_units,
+    set_sizes,
+    twell_ffn,
+)
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -243,7 +250,28 @@ def _profile(leaves, grad_y, variant: str, hot: int = 0) -> list[dict]:
         "{host_bwd_issued_ms:.3f}, GPU done {gpu_done_ms:.3f}".format(**host)
         + " | dense: {host_fwd_ms:.3f} / {host_bwd_issued_ms:.3f} / {gpu_done_ms:.3f}".format(**dense)
     )
+    _print_host_profile(leaves, grad_y)
     return [{"variant": variant, "hot_units": hot, "wall_ms": wall, **host, **k} for k in kernels]
+
+
+def _print_host_profile(leaves, grad_y, steps: int = 20, top: int = 30) -> None:
+    """Where the host's time goes in a TwELL step (cProfile over `steps` steps, by own time): the
+    step is host-bound at 16k, so this names the Python and launch costs worth cutting."""
+    import cProfile
+    import pstats
+
+    _step(_twell_y_l1, leaves, grad_y)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        _step(_twell_y_l1, leaves, grad_y)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"  host profile of {steps} steps (own time; cumulative in the second table):")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:
@@ -266,13 +294,20 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         impls.append(("dense_compiled", compiled, None, None))
     hots = getattr(args, "hot_units", None) or [0]
     variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
-    impls += [(f"twell_{v}" + (f"_h{k}" if k else ""), _twell_y_l1, v, k) for v in variants for k in hots]
+    sizes = getattr(args, "sizes", None) or ["estimate"]
+    impls += [
+        (f"twell_{v}" + (f"_h{k}" if k else "") + ("" if z == "estimate" else f"_{z}"), _twell_y_l1, v, k, z)
+        for v in variants
+        for k in hots
+        for z in sizes
+    ]
 
     rows = []
-    for name, fn, variant, hot in impls:
+    for name, fn, variant, hot, *size in impls:
         if variant:
             set_backward_variant(variant)
             set_hot_units(hot)
+            set_sizes(size[0])
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -300,6 +335,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         rows.append(row)
     set_backward_variant("auto")
     set_hot_units(None)
+    set_sizes("estimate")
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -409,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hot-units", type=int, nargs="*", default=[0, 1024], help="K units on dense GEMMs (0: all sparse)"
     )
+    p.add_argument(
+        "--sizes", nargs="*", choices=SIZES, default=["estimate"],
+        help="how the op sizes its entry list: estimate (default, no sync while the gate runs) or exact",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")

@@ -236,9 +236,10 @@ def test_compiles_without_graph_breaks():
 def test_custom_ops_pass_opcheck():
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
     test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    for hot_units in (0, 16):
+    # capacity 0: exact sizes; 8: far too few entry slots (the op redoes the call exactly); 4096: fits
+    for hot_units, capacity in ((0, 0), (16, 0), (0, 8), (16, 4096)):
         torch.library.opcheck(
-            torch.ops.twell.ffn_train_fwd.default, (*inputs, hot_units), test_utils=test_utils
+            torch.ops.twell.ffn_train_fwd.default, (*inputs, hot_units, capacity), test_utils=test_utils
         )
 
 
@@ -288,12 +289,15 @@ def test_work_list_kernel_matches_the_torch_build(monkeypatch):
     seg_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)]).to(DEVICE)
     chunk, n_seg = 8, lens.numel()
     max_items = n_seg + int(lens.sum()) // chunk + 1
-    fast = ts._work_list(seg_ptr, n_seg, chunk, max_items)
+    max_split = int(lens.sum()) // chunk
+    fast = ts._work_list(seg_ptr, n_seg, chunk, max_items, max_split)
     monkeypatch.setattr(ts, "WORK_LIST_MAX_SEGMENTS", 0)
-    slow = ts._work_list(seg_ptr, n_seg, chunk, max_items)
-    for a, b in zip(fast, slow):
+    slow = ts._work_list(seg_ptr, n_seg, chunk, max_items, max_split)
+    for a, b in zip(fast[:3], slow[:3]):
         assert torch.equal(a.cpu(), b.cpu())
     assert fast[0].tolist() == [0, 1, 2, 5, 6, 11, 12, 13, 18]  # ceil(len / 8), at least 1
+    for split in (fast[3].cpu(), slow[3].cpu()):  # the segments of more than one chunk, then their count
+        assert split[:3].tolist() == [2, 4, 7] and int(split[max_split]) == 3
 
 
 def test_build_pattern_matches_a_torch_build_over_many_programs():
@@ -417,6 +421,93 @@ def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
     assert hot_units_for(33, 192, 0) == 0 and hot_units_for(33, 192, 500) == 192
     with pytest.raises(ValueError, match=r"hot_units=-2 must be an integer >= 0"):
         twell_ffn(*inputs, hot_units=-2)
+
+
+def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_miss(monkeypatch):
+    """The default sizing: a layer's first call is exact (one sync), later calls take the previous
+    count plus a margin and check it only after issuing the forward. A fit gives bit-identical
+    results to exact sizes; too few slots or a new overflow row redo the call exactly (right answer,
+    overflow counted) and reset the estimate."""
+    import kernels.train as kt
+
+    M, D, F = 37, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]  # one "layer": fixed tensors
+    grad_y = torch.randn(M, D, device=DEVICE)
+    seen = []  # the capacity of each _sparse_forward pass and whether it returned (None: a miss)
+    real = kt._sparse_forward
+    monkeypatch.setattr(
+        kt, "_sparse_forward", lambda *a: seen.append((a[-1], (out := real(*a)) is not None)) or out
+    )
+
+    def step(x_in):
+        leaf = x_in.clone().requires_grad_()
+        for w in weights:
+            w.grad = None
+        out = twell_ffn(leaf, *weights)
+        ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
+        ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+        grads = [leaf.grad] + [w.grad.clone() for w in weights]
+        for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+            assert _rel_err(a, b) <= 1e-5
+        return out, grads
+
+    first, first_grads = step(x)
+    nnz = int(first.row_active.sum())
+    assert seen == [(None, True)] and int(first.overflow_rows) == 0
+    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
+    second, second_grads = step(x)  # from the estimate, no sync until the forward is issued
+    assert seen[1] == (kt._with_margin(nnz), True)
+    assert torch.equal(second.y, first.y) and torch.equal(second.l1, first.l1)
+    assert all(torch.equal(a, b) for a, b in zip(second_grads, first_grads))
+
+    kt._capacities[weights[0]][(M, 0)] = 8  # far fewer slots than entries: rows past them are cut
+    seen.clear()
+    step(x)
+    assert seen == [(8, False), (None, True)]  # the miss is redone exactly
+    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
+
+    dense_x = x.clone()
+    make_rows_dense(dense_x, [4])  # a row overflowing its tiles after clean calls
+    seen.clear()
+    out, _ = step(dense_x)
+    assert seen == [(kt._with_margin(nnz), False), (None, True)] and int(out.overflow_rows) == 1
+    assert kt._capacities[weights[0]][(M, 0)] == 0  # exact while a layer overflows
+    try:
+        kt.set_sizes("exact")
+        seen.clear()
+        step(x)
+        step(x)
+        assert seen == [(None, True), (None, True)]
+    finally:
+        kt.set_sizes("estimate")
+    with pytest.raises(ValueError, match="sizes 'sometimes' is unknown"):
+        kt.set_sizes("sometimes")
+
+
+def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():
+    from kernels.train_format import build_pattern
+
+    M, T, slots = 50, 3, 4
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    counts = torch.randint(1, slots + 1, (M, T), generator=gen, dtype=torch.int32)
+    cols = torch.randint(0, 64 * T, (M, T, slots), generator=gen, dtype=torch.int16)
+    vals = torch.rand(M, T, slots, generator=gen) + 0.5
+    args = [t.to(DEVICE) for t in (counts, cols, vals)]
+    exact = build_pattern(*args, slots)
+    nnz = exact.rows.numel()
+    cap = nnz // 2
+    part = build_pattern(*args, slots, capacity=cap)
+    assert part.pending.read() == (nnz, 0) and part.rows.numel() == cap
+    assert torch.equal(part.row_ptr.cpu(), exact.row_ptr.cpu().clamp(max=cap))
+    fits = int((exact.row_ptr[1:] <= cap).sum())  # rows wholly below the capacity are exact
+    end = int(exact.row_ptr[fits])
+    for name in ("rows", "cols", "gate"):
+        assert torch.equal(getattr(part, name)[:end].cpu(), getattr(exact, name)[:end].cpu())
+    roomy = build_pattern(*args, slots, capacity=nnz + 100)
+    assert roomy.pending.read() == (nnz, 0)
+    for name in ("rows", "cols", "gate"):
+        assert torch.equal(getattr(roomy, name)[:nnz].cpu(), getattr(exact, name).cpu())
 
 
 def test_unknown_backward_variant_is_rejected():

@@ -168,7 +168,6 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
     up, y, l1_rows = row_ffn_forward(
         pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
     )
-    l1_sum = l1_rows.sum()
     rows, cols, gate = pat.rows, pat.cols, pat.gate
     if pat.pending is not None:
         nnz, n_ovf = pat.pending.read()
@@ -181,6 +180,7 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
         unit_fires.index_add_(0, cols, torch.ones_like(cols))
+    l1 = l1_rows.mean()  # the L1 term: sum |h| / M
     if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
         if K:
@@ -189,11 +189,9 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
         else:
             y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
             unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
-        l1_sum = l1_sum + h_o.float().abs().sum()
-    # A fill kernel, not a host-to-device copy of a Python int.
-    n_overflow = torch.full((), pat.overflow_rows.numel(), dtype=torch.int32, device=x.device)
+        l1 = (l1_rows.sum() + h_o.float().abs().sum()) / M
     return (
-        y, l1_sum / M, row_active, unit_fires, n_overflow,
+        y, l1, row_active, unit_fires, pat.n_overflow,
         pat.row_ptr, rows, cols, gate, up, pat.overflow_rows, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 

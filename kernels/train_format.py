@@ -31,16 +31,18 @@ class PendingTotals:
     """(entries, overflow rows) of a pattern built with a capacity: copied device -> pinned host memory
     behind the kernels that computed them; read() waits for that copy only (not for later work)."""
 
-    _host: dict[torch.device, torch.Tensor] = {}  # one pinned pair per device, read before reuse
+    # One pinned pair and one event per device, created once: a pattern is read before the next one is
+    # built (the op reads it within its forward), so reuse is safe and costs no allocation per call.
+    _host: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def __init__(self, totals: torch.Tensor):
         self._event = None
         if totals.is_cuda:
-            buf = self._host.get(totals.device)
-            if buf is None:
-                buf = self._host[totals.device] = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            if totals.device not in self._host:
+                pinned = torch.empty(2, dtype=torch.int32, pin_memory=True)
+                self._host[totals.device] = (pinned, torch.cuda.Event())
+            buf, self._event = self._host[totals.device]
             buf.copy_(totals, non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
             totals = buf
         self._totals = totals
@@ -48,7 +50,7 @@ class PendingTotals:
     def read(self) -> tuple[int, int]:
         if self._event is not None:
             self._event.synchronize()
-        nnz, n_ovf = self._totals.tolist()
+        n_ovf, nnz = self._totals.tolist()
         return nnz, n_ovf
 
 
@@ -61,6 +63,7 @@ class TrainPattern(NamedTuple):
     gate: torch.Tensor  # [nnz] dtype of x: relu(x w_gate^T) at the entry, > 0
     overflow_rows: torch.Tensor  # int64 [n_ovf]: rows computed densely (a TwELL tile overflowed)
     row_active: torch.Tensor  # int32 [M]: positive gate values per row (overflow rows included)
+    n_overflow: torch.Tensor  # int32 0-dim on the device: rows on the dense path (their count)
     # Built with a capacity: the four entry arrays hold `capacity` slots (the first nnz valid once
     # pending.read() shows nnz <= capacity), overflow_rows is empty and read() gives the true counts.
     pending: PendingTotals | None = None
@@ -99,7 +102,7 @@ def _row_scan_kernel(
     SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """Per row: positives (row_active), overflow flag (a tile holds more than SLOTS) and CSR length
-    (0 for overflow rows, into row_ptr[1 + row]); the batch totals (entries, overflow rows) by integer
+    (0 for overflow rows, into row_ptr[1 + row]); the batch totals (overflow rows, entries) by integer
     atomics (exact, order-free). One launch instead of ~10 torch ops."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok_r = rows < M
@@ -113,8 +116,8 @@ def _row_scan_kernel(
     tl.store(row_ptr_ptr + 1 + rows, nnz, mask=ok_r)
     tl.store(ovf_ptr + rows, over.to(tl.int8), mask=ok_r)
     tl.store(row_ptr_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.int32), mask=rows == 0)
-    tl.atomic_add(totals_ptr, tl.sum(nnz, axis=0))
-    tl.atomic_add(totals_ptr + 1, tl.sum(over.to(tl.int32), axis=0))
+    tl.atomic_add(totals_ptr, tl.sum(over.to(tl.int32), axis=0))
+    tl.atomic_add(totals_ptr + 1, tl.sum(nnz, axis=0))
 
 
 def build_pattern(
@@ -148,7 +151,7 @@ def build_pattern(
         nnz, n_ovf = capacity, 0
     else:
         pending = None
-        nnz, n_ovf = totals.tolist()
+        n_ovf, nnz = totals.tolist()
 
     rows = torch.empty(nnz, device=device, dtype=torch.int32)
     cols = torch.empty(nnz, device=device, dtype=torch.int32)
@@ -162,7 +165,7 @@ def build_pattern(
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, pending)
+    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals[0], pending)
 
 
 @triton.jit
@@ -195,8 +198,8 @@ def to_csc(
     gathers in one kernel."""
     device, n = cols.device, cols.numel()
     order = torch.argsort(cols, stable=True)
-    out_rows, out_cols = torch.empty_like(rows), torch.empty_like(cols)
-    out = tuple(torch.empty_like(c) for c in coefs)
+    out_rows, out_cols = torch.empty(2, n, device=device, dtype=rows.dtype).unbind()  # one allocation each
+    out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
     if n:
         block = 1024
         _permute_kernel[(triton.cdiv(n, block),)](

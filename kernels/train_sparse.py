@@ -92,7 +92,7 @@ def entry_grads(
     dh = dy[row] . w_down[col] + l1_scale * sign(h), returns (d_gate = dh * up, d_up = dh * gate, h).
     l1_scale: fp32 0-dim device tensor (d loss / d sum|h|), read on the device: no host sync."""
     nnz, D = rows.numel(), dy.shape[1]
-    d_gate, d_up, h = (torch.empty(nnz, device=dy.device, dtype=torch.float32) for _ in range(3))
+    d_gate, d_up, h = torch.empty(3, nnz, device=dy.device, dtype=torch.float32).unbind()  # one allocation
     if nnz:
         grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
         _entry_grads_kernel[grid](

@@ -292,6 +292,10 @@ def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, o
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4], *output[5:])
     ctx.mark_non_differentiable(*output[2:])
+    # No zero gradients for the 14 outputs nobody differentiates (statistics and saved state): autograd
+    # would otherwise allocate and fill each one per backward (g_hot and u_hot: 32 MB each at 16k x
+    # 1024), costing a launch and an allocation apiece on a host-bound step. _backward takes None.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_l1, *_unused):

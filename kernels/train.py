@@ -50,8 +50,11 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
 # and checks the true count once the forward is issued (no host sync while the gate runs; a call that
 # does not fit is redone exactly); "exact" waits for the count after the gate (the first call of a
-# layer always does).
-SIZES = ("estimate", "exact")
+# layer always does); "static" takes the estimate as a fixed size and never reads anything back, so
+# a CUDA graph can hold the op: it is what a call under graph capture does whatever the setting. A
+# static call whose entries do not fit (or with a row overflowing its tiles) cannot be redone: it adds
+# 1 to static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
+SIZES = ("estimate", "exact", "static")
 _settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -64,11 +67,31 @@ def _with_margin(nnz: int) -> int:
 
 
 def set_sizes(mode: str) -> None:
-    """How the forward sizes its entry list: "estimate" (default, no host sync while the gate runs) or
-    "exact" (one sync per call)."""
+    """How the forward sizes its entry list: "estimate" (default, no host sync while the gate runs),
+    "exact" (one sync per call) or "static" (no read-back at all: CUDA graphs; see SIZES)."""
     if mode not in SIZES:
         raise ValueError(f"sizes {mode!r} is unknown; choose one of {SIZES}")
     _settings["sizes"] = mode
+
+
+_misses: dict[torch.device, Tensor] = {}
+
+
+def _capturing(x: Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def static_misses(device: torch.device | str) -> Tensor:
+    """Static-size calls on `device` whose entries did not fit their capacity or that had a row
+    overflowing its tiles (int32 0-dim tensor on the device, cumulative; `.zero_()` resets it). Their
+    results are wrong: after replaying a CUDA graph that holds twell_ffn, a non-zero count means the
+    step must be recomputed eagerly (which also raises the layer's capacity)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _misses:
+        _misses[device] = torch.zeros((), dtype=torch.int32, device=device)
+    return _misses[device]
 
 
 # Hot units, with inference's default (kernels.inference.default_hot_units: 1024 units from 16384
@@ -135,6 +158,8 @@ def _ffn_train_fwd(
         g_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
         fires = None
     hot = (hot_idx, g_hot, w_gu, w_down_hot)
+    if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
+        return _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, -capacity, static=True)
     if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
         out = _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity)
         if out is not None:
@@ -142,16 +167,19 @@ def _ffn_train_fwd(
     return _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, None)
 
 
-def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
+def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, static=False):
     """Everything after the gate: pattern, up/down products, L1 and statistics. With a capacity the
     host issues it all without waiting and reads the true counts at the end (they are long computed by
-    then): None if the entries did not fit or a row overflowed (the caller redoes it exactly)."""
+    then): None if the entries did not fit or a row overflowed (the caller redoes it exactly).
+    `static`: the capacity is used as is and never checked on the host (no sync at all, so a CUDA
+    graph can hold the op); the saved entry list keeps its unused slots (zero gates: no contribution)
+    and a call whose entries did not fit, or with an overflow row, adds 1 to static_misses()."""
     M, F = x.shape[0], w_gate.shape[0]
     hot_idx, g_hot, w_gu, w_down_hot = hot
     K = hot_idx.numel()
     # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
-    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, capacity)
+    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static)
     if K:
         # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
         # row_active = the pattern's cold positives + the hot ones. u is saved for backward (32 MB at
@@ -166,10 +194,13 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
     # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below. The row kernel
     # also sums |h| per row on top of the hot units' share.
     up, y, l1_rows = row_ffn_forward(
-        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows, zero_unused=static
     )
     rows, cols, gate = pat.rows, pat.cols, pat.gate
-    if pat.pending is not None:
+    if static:
+        miss = (pat.totals[1] > capacity) | (pat.totals[0] > 0)
+        static_misses(x.device).add_(miss)
+    elif pat.pending is not None:
         nnz, n_ovf = pat.pending.read()
         if n_ovf or nnz > capacity:
             return None
@@ -179,7 +210,8 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity):
     else:
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
-        unit_fires.index_add_(0, cols, torch.ones_like(cols))
+        # (unused slots of a static list sit at column 0 with a zero gate: not a fire)
+        unit_fires.index_add_(0, cols, (gate > 0).to(torch.int32) if static else torch.ones_like(cols))
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
     if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
         gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
@@ -330,15 +362,28 @@ def twell_ffn(
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     M, K = x.shape[0], hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
-    # Sized from this layer's last call (no host sync, see _sparse_forward); a compiled graph takes the
-    # exact path (its trace must not depend on history).
-    track = _settings["sizes"] == "estimate" and not torch.compiler.is_compiling()
-    history = _capacities.get(layer) if track else None
-    capacity = history.get((M, K), 0) if history else 0
+    # Sized from this layer's last call (no host sync, see _sparse_forward); a torch.compile'd graph
+    # takes the exact path (its trace must not depend on history).
+    track = not torch.compiler.is_compiling()
+    capacity = 0
+    if track:
+        capturing = _capturing(x)
+        mode = "static" if capturing else _settings["sizes"]
+        history = _capacities.get(layer)
+        capacity = history.get((M, K), 0) if history and mode != "exact" else 0
+        if mode == "static":
+            if not capacity and capturing:
+                raise RuntimeError(
+                    f"twell_ffn under CUDA graph capture needs the layer's entry count for {M} tokens"
+                    f"{f' and {K} hot units' if K else ''}: run the same step once eagerly before capturing"
+                    " (its count, plus a margin, becomes the graph's fixed capacity)"
+                )
+            static_misses(x.device)  # made outside any capture
+            capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
     y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
         x, w_gate, w_up, w_down, K, capacity
     )
-    if track:  # next call: this one's entries plus a margin; exact after a call with overflow rows
+    if track and capacity >= 0:  # next call: this one's entries plus a margin; exact after overflow rows
         nnz, overflow_rows = saved[1].numel(), saved[5].numel()
         _capacities.setdefault(layer, {})[(M, K)] = 0 if overflow_rows else _with_margin(nnz)
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

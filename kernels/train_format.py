@@ -67,6 +67,7 @@ class TrainPattern(NamedTuple):
     # Built with a capacity: the four entry arrays hold `capacity` slots (the first nnz valid once
     # pending.read() shows nnz <= capacity), overflow_rows is empty and read() gives the true counts.
     pending: PendingTotals | None = None
+    totals: torch.Tensor | None = None  # int32 [2] on the device: (overflow rows, entries)
 
 
 @triton.jit
@@ -126,9 +127,13 @@ def build_pattern(
     tw_vals: torch.Tensor,
     slots: int,
     capacity: int | None = None,
+    static: bool = False,
 ) -> TrainPattern:
     """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. Exact sizes with one host sync,
-    or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc)."""
+    or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc).
+    `static` (with a capacity; CUDA graph capture): nothing is read back at all (pending None; the
+    caller checks the device totals), and the slots past the entries hold row 0, column 0, gate 0,
+    so that every later pass may run over all `capacity` slots (a zero gate contributes nothing)."""
     M, T = counts.shape
     device = counts.device
     counts = counts.to(torch.int32).contiguous()
@@ -147,15 +152,16 @@ def build_pattern(
     row_ptr[1:].cumsum_(0)  # in place, int32
     if capacity is not None:
         row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
-        pending = PendingTotals(totals)
+        pending = None if static else PendingTotals(totals)
         nnz, n_ovf = capacity, 0
     else:
         pending = None
         n_ovf, nnz = totals.tolist()
 
-    rows = torch.empty(nnz, device=device, dtype=torch.int32)
-    cols = torch.empty(nnz, device=device, dtype=torch.int32)
-    gate = torch.empty(nnz, device=device, dtype=tw_vals.dtype)
+    alloc = torch.zeros if static else torch.empty
+    rows = alloc(nnz, device=device, dtype=torch.int32)
+    cols = alloc(nnz, device=device, dtype=torch.int32)
+    gate = alloc(nnz, device=device, dtype=tw_vals.dtype)
     if nnz:
         _twell_to_csr_kernel[(M,)](
             counts, tw_cols.contiguous(), tw_vals.contiguous(), row_ptr, rows, cols, gate, T,
@@ -165,7 +171,7 @@ def build_pattern(
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals[0], pending)
+    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals[0], pending, totals)
 
 
 @triton.jit

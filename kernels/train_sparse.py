@@ -76,10 +76,13 @@ def _entry_grads_kernel(
         acc += a.to(tl.float32) * b.to(tl.float32)
     g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
-    h = g * u
+    # Every entry has g > 0 (the ReLU mask); a zero gate is an unused slot of a fixed-capacity list
+    # (CUDA graphs) whose u was never written: it must contribute exactly nothing.
+    live = g > 0
+    h = tl.where(live, g * u, 0.0)
     sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
     dh = tl.sum(acc, axis=1) + tl.load(l1_ptr) * sign
-    tl.store(d_gate_ptr + offs_e, dh * u, mask=mask_e)
+    tl.store(d_gate_ptr + offs_e, tl.where(live, dh * u, 0.0), mask=mask_e)
     tl.store(d_up_ptr + offs_e, dh * g, mask=mask_e)
     tl.store(h_ptr + offs_e, h, mask=mask_e)
 

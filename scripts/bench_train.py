@@ -27,6 +27,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -175,6 +176,47 @@ def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
     return {"host_fwd_ms": fwd, "host_bwd_issued_ms": bwd, "gpu_done_ms": done}
 
 
+def graphed_step(fn, leaves, grad_y, ref, rep: int, twell: bool) -> dict:
+    """The step captured in one CUDA graph (what a training loop with whole-step graphs runs: no host
+    issue cost), timed by replaying it; also the replay's gradient errors against the fp32 reference
+    and, for TwELL, static_misses (calls whose fixed entry capacity did not hold: must be 0).
+    TwELL warms up at its static sizes first (the capture takes them; autotuning cannot run inside a
+    capture)."""
+    from kernels.train import static_misses
+
+    device = leaves[0].device
+    if twell:
+        set_sizes("static")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                _step(fn, leaves, grad_y)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for t in leaves:
+            t.grad = None
+        with torch.cuda.graph(graph):
+            y, l1 = fn(*leaves)
+            torch.autograd.backward([y, l1], [grad_y, _l1_grad(device)])
+    finally:
+        set_sizes("estimate")
+    misses = static_misses(device)
+    misses.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    names = ("dx", "dw_gate", "dw_up", "dw_down")
+    errs = {f"graph_err_{n}": _rel(t.grad, ref[n]) for n, t in zip(names, leaves)}
+    errs["graph_err_y"] = _rel(y, ref["y"])
+    ms = triton.testing.do_bench(graph.replay, rep=rep, return_mode="median")
+    out = {"graph_fwd_bwd_ms": ms, "graph_misses": int(misses), **errs}
+    for t in leaves:
+        t.grad = None
+    del graph
+    return out
+
+
 def _saved_bytes(fn, leaves) -> int:
     """Bytes autograd keeps for backward beyond the inputs (x and weights are saved by any FFN)."""
     seen, total = {t.data_ptr() for t in leaves}, 0
@@ -282,8 +324,6 @@ def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[d
 
 def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> list[dict]:
     """Time and check every implementation on x, w_gate, w_up, w_down (CUDA tensors, one dtype)."""
-    import triton
-
     M, D = inputs[0].shape
     F = inputs[1].shape[0]
     leaves, grad_y, ref = prepare_step(inputs)
@@ -325,6 +365,8 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
             peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, **errors,
         )  # fmt: skip
+        if getattr(args, "cuda_graph", False) and name != "dense_compiled":
+            row.update(graphed_step(fn, leaves, grad_y, ref, rep, twell=bool(variant)))
         if variant:
             out = twell_ffn(*leaves)
             row.update(
@@ -344,6 +386,14 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         r["speedup_vs_best_dense"] = best_dense / r["fwd_bwd_ms"]
         r["saved_vs_dense"] = r["saved_mb"] / dense["saved_mb"]
     mark_ok(rows)
+    if "graph_fwd_bwd_ms" in dense:  # graphed rows: against the graphed dense step, errors as above
+        for r in rows:
+            if "graph_fwd_bwd_ms" in r:
+                r["graph_speedup"] = dense["graph_fwd_bwd_ms"] / r["graph_fwd_bwd_ms"]
+                errs = [k for k in r if k.startswith("graph_err_")]
+                r["graph_ok"] = r.get("graph_misses", 0) == 0 and all(
+                    r[k] <= max(3 * dense[k.replace("graph_", "")], 1e-2) for k in errs
+                )
     if profile:
         for variant in variants:
             for hot in hots:
@@ -371,6 +421,20 @@ def print_table(rows) -> None:
             f"{r['err_dw_gate']:>8.1e} {r['err_dw_up']:>8.1e} {r['err_dw_down']:>8.1e} "
             f"{r.get('overflow_rows', ''):>4} {r.get('mean_active', 0):>5.1f} {'yes' if r['ok'] else 'NO'}"
         )
+    graphed = [r for r in rows if "graph_speedup" in r]
+    if graphed:
+        print(
+            "one CUDA graph per step (replay; errors of the replayed step; misses: static capacity failures)"
+        )
+        print(
+            f"{'tokens':>7} {'d_ff':>5} {'impl':<24} {'graph ms':>8} {'xDense':>6} {'max err':>8} {'misses':>6} ok"
+        )
+        for r in graphed:
+            err = max(v for k, v in r.items() if k.startswith("graph_err_"))
+            print(
+                f"{r['tokens']:>7} {r['d_ff']:>5} {r['impl']:<24} {r['graph_fwd_bwd_ms']:>8.3f} "
+                f"{r['graph_speedup']:>6.2f} {err:>8.1e} {r['graph_misses']:>6} {'yes' if r['graph_ok'] else 'NO'}"
+            )
 
 
 def run_train_bench(args) -> list[dict]:
@@ -448,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sizes", nargs="*", choices=SIZES, default=["estimate"],
         help="how the op sizes its entry list: estimate (default, no sync while the gate runs) or exact",
+    )  # fmt: skip
+    p.add_argument(
+        "--cuda-graph", action="store_true",
+        help="also time each step captured in one CUDA graph (dense and TwELL; TwELL at static sizes)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")

@@ -485,6 +485,110 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
         kt.set_sizes("sometimes")
 
 
+@pytest.mark.parametrize("hot", [0, 16])
+def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
+    """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
+    size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;
+    a call that does not fit, or that has an overflow row, is counted in static_misses."""
+    import kernels.train as kt
+
+    M, D, F = 41, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
+    grad_y = torch.randn(M, D, device=DEVICE)
+    misses = kt.static_misses(DEVICE)
+    misses.zero_()
+
+    def step(x_in):
+        leaf = x_in.clone().requires_grad_()
+        for w in weights:
+            w.grad = None
+        out = twell_ffn(leaf, *weights, hot_units=hot)
+        ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
+        return out, [leaf.grad] + [w.grad.clone() for w in weights]
+
+    try:
+        kt.set_sizes("static")
+        first, _ = step(x)  # no history yet: an exact call, which records the count
+        capacity = kt._capacities[weights[0]][(M, hot)]
+        out, grads = step(x)
+        assert int(misses) == 0 and kt._capacities[weights[0]][(M, hot)] == capacity  # static: not updated
+        ref, ref_grads = _run(relu_ffn, [x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+        for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+            assert _rel_err(a, b) <= 1e-5
+        assert torch.equal(out.row_active, first.row_active) and torch.equal(out.unit_fires, first.unit_fires)
+
+        kt._capacities[weights[0]][(M, hot)] = 8  # too small: counted, not redone
+        step(x)
+        assert int(misses) == 1
+        kt._capacities[weights[0]][(M, hot)] = capacity
+        dense_x = x.clone()
+        make_rows_dense(dense_x, [5])  # an overflow row: the static path has no dense rows
+        step(dense_x)
+        assert int(misses) == 2
+    finally:
+        kt.set_sizes("estimate")
+        misses.zero_()
+
+
+def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
+    import kernels.train as kt
+
+    monkeypatch.setattr(kt, "_capturing", lambda x: True)
+    inputs = _inputs(9, 64, 128, torch.float32)
+    with pytest.raises(RuntimeError, match="run the same step once eagerly before capturing"):
+        twell_ffn(*inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hot", [0, 256])
+def test_training_step_replays_in_a_cuda_graph(hot):
+    """Forward + backward captured in one CUDA graph (static sizes, no host sync) after eager calls:
+    replays give the eager step's outputs and gradients, and count no miss."""
+    import kernels.train as kt
+
+    M, D, F = 4096, 512, 2048
+    inputs = _inputs(M, D, F, torch.bfloat16, mean_active=12.0)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    grad_y = torch.randn(M, D, device=DEVICE, dtype=torch.bfloat16)
+    l1_grad = torch.tensor(0.5, device=DEVICE)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = twell_ffn(*leaves, hot_units=hot)
+        torch.autograd.backward([out.y, out.l1], [grad_y, l1_grad])
+        return out
+
+    eager = step()
+    eager_y, eager_grads = eager.y.clone(), [t.grad.clone() for t in leaves]
+    misses = kt.static_misses(DEVICE)
+    misses.zero_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        kt.set_sizes("static")  # warm-up at the captured sizes (autotuning happens outside the capture)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for t in leaves:
+            t.grad = None
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        kt.set_sizes("estimate")
+    misses.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(misses) == 0
+    assert _rel_err(out.y, eager_y) < 1e-2
+    for a, b in zip([t.grad for t in leaves], eager_grads):
+        assert _rel_err(a, b) < 1e-2
+
+
 def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():
     from kernels.train_format import build_pattern
 

@@ -191,6 +191,10 @@ def graphed_step(fn, leaves, grad_y, ref, rep: int, twell: bool) -> dict:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            # Leaves first used on this side stream (as in PyTorch's whole-network capture recipe): their
+            # gradient accumulators must not belong to the legacy default stream, which a capture
+            # cannot wait on. TwELL's layer history follows w_gate, so the eager calls below make it.
+            leaves = [t.detach().clone().requires_grad_() for t in leaves]
             for _ in range(3):
                 _step(fn, leaves, grad_y)
         torch.cuda.current_stream().wait_stream(side)

@@ -569,6 +569,9 @@ def test_training_step_replays_in_a_cuda_graph(hot):
     try:
         kt.set_sizes("static")  # warm-up at the captured sizes (autotuning happens outside the capture)
         with torch.cuda.stream(side):
+            # leaves whose gradient accumulators are made off the legacy stream (PyTorch's recipe)
+            leaves = [t.detach().clone().requires_grad_() for t in leaves]
+            step()  # a new layer (w_gate): an exact call that records its count
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)

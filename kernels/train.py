@@ -60,10 +60,12 @@ _settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _with_margin(nnz: int) -> int:
-    """Entry capacity for the next call after one with nnz entries: +1/8 + 2048, in 1024 steps (batches
-    of a layer differ by a few %; a miss costs one redone pass, an extra slot 16 bytes)."""
-    return (nnz + nnz // 8 + 2048) // 1024 * 1024
+def _with_margin(nnz: int, n_ovf: int = 0) -> tuple[int, int]:
+    """(entry, overflow-row) capacities for the next call after one with nnz entries and n_ovf overflow
+    rows: entries +1/8 + 2048 in 1024 steps (batches of a layer differ by a few %; a miss costs one
+    redone pass, an extra slot 16 bytes); overflow rows none after a call without any, else twice as
+    many + 8 (each one a dense row)."""
+    return (nnz + nnz // 8 + 2048) // 1024 * 1024, (2 * n_ovf + 8 if n_ovf else 0)
 
 
 def set_sizes(mode: str) -> None:
@@ -128,6 +130,13 @@ def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     return min(k, F)
 
 
+def _overflow_rows(src: Tensor, overflow_rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(row index, src rows) of the overflow list. A fixed-size list (sizes "estimate"/"static") pads
+    with -1: those slots take row 0 with zeros for its values, so they add exactly nothing anywhere."""
+    idx = overflow_rows.clamp(min=0)
+    return idx, src[idx] * (overflow_rows >= 0).unsqueeze(1).to(src.dtype)
+
+
 def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """g, u, h of overflow rows, dense and in x's dtype, as a dense FFN computes them."""
     gate = torch.relu(x_rows @ w_gate.T)
@@ -137,7 +146,7 @@ def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[T
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
 def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int, ovf_capacity: int
 ) -> tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
     Tensor, Tensor, Tensor,
@@ -158,28 +167,32 @@ def _ffn_train_fwd(
         g_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
         fires = None
     hot = (hot_idx, g_hot, w_gu, w_down_hot)
+    args = (x, w_gate, w_up, w_down, tw, hot, fires)
     if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
-        return _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, -capacity, static=True)
+        return _sparse_forward(*args, -capacity, ovf_capacity, static=True)
     if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
-        out = _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity)
+        out = _sparse_forward(*args, capacity, ovf_capacity)
         if out is not None:
             return out
-    return _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, None)
+    return _sparse_forward(*args, None)
 
 
-def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, static=False):
+def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capacity=0, static=False):
     """Everything after the gate: pattern, up/down products, L1 and statistics. With a capacity the
     host issues it all without waiting and reads the true counts at the end (they are long computed by
     then): None if the entries did not fit or a row overflowed (the caller redoes it exactly).
     `static`: the capacity is used as is and never checked on the host (no sync at all, so a CUDA
     graph can hold the op); the saved entry list keeps its unused slots (zero gates: no contribution)
-    and a call whose entries did not fit, or with an overflow row, adds 1 to static_misses()."""
+    and a call whose entries or overflow rows did not fit adds 1 to static_misses(). `ovf_capacity`:
+    the overflow rows such calls take (a fixed list padded with -1)."""
     M, F = x.shape[0], w_gate.shape[0]
     hot_idx, g_hot, w_gu, w_down_hot = hot
     K = hot_idx.numel()
     # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
-    pat = build_pattern(tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static)
+    pat = build_pattern(
+        tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static, ovf_capacity=ovf_capacity
+    )
     if K:
         # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
         # row_active = the pattern's cold positives + the hot ones. u is saved for backward (32 MB at
@@ -196,15 +209,23 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, static=Fa
     up, y, l1_rows = row_ffn_forward(
         pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows, zero_unused=static
     )
-    rows, cols, gate = pat.rows, pat.cols, pat.gate
+    rows, cols, gate, ovf = pat.rows, pat.cols, pat.gate, pat.overflow_rows
+    l1 = l1_rows.mean()  # the L1 term: sum |h| / M
+    if ovf.numel():  # dense, on the cold units only when hot units take the rest; y there is y_hot or 0
+        idx, x_o = _overflow_rows(x, ovf)
+        gate_o, _, h_o = _dense_rows_forward(x_o, w_gate, w_up)
+        if K:
+            h_o[:, hot_idx] = 0
+        y.index_add_(0, idx, h_o @ w_down)
+        l1 = (l1_rows.sum() + h_o.float().abs().sum()) / M
     if static:
-        miss = (pat.totals[1] > capacity) | (pat.totals[0] > 0)
+        miss = (pat.totals[1] > capacity) | (pat.totals[0] > ovf_capacity)
         static_misses(x.device).add_(miss)
     elif pat.pending is not None:
         nnz, n_ovf = pat.pending.read()
-        if n_ovf or nnz > capacity:
+        if n_ovf > ovf_capacity or nnz > capacity:
             return None
-        rows, cols, gate, up = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz]
+        rows, cols, gate, up, ovf = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz], ovf[:n_ovf]
     if fires is not None:
         unit_fires = fires  # every positive of the batch, hot and cold (from the gate's bitmask)
     else:
@@ -212,24 +233,16 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, static=Fa
         unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
         # (unused slots of a static list sit at column 0 with a zero gate: not a fire)
         unit_fires.index_add_(0, cols, (gate > 0).to(torch.int32) if static else torch.ones_like(cols))
-    l1 = l1_rows.mean()  # the L1 term: sum |h| / M
-    if pat.overflow_rows.numel():  # dense, on the cold units only when hot units take the rest
-        gate_o, _, h_o = _dense_rows_forward(x[pat.overflow_rows], w_gate, w_up)
-        if K:
-            h_o[:, hot_idx] = 0
-            y.index_copy_(0, pat.overflow_rows, torch.addmm(y_hot[pat.overflow_rows], h_o, w_down))
-        else:
-            y.index_copy_(0, pat.overflow_rows, h_o @ w_down)
-            unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
-        l1 = (l1_rows.sum() + h_o.float().abs().sum()) / M
+    if ovf.numel() and not K:  # with hot units, fires come from the gate's bitmask (every positive)
+        unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
     return (
         y, l1, row_active, unit_fires, pat.n_overflow,
-        pat.row_ptr, rows, cols, gate, up, pat.overflow_rows, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
+        pat.row_ptr, rows, cols, gate, up, ovf, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 
 
 @_ffn_train_fwd.register_fake
-def _(x, w_gate, w_up, w_down, hot_units, capacity):
+def _(x, w_gate, w_up, w_down, hot_units, capacity, ovf_capacity):
     (M, D), F = x.shape, w_gate.shape[0]
     ctx = torch.library.get_ctx()
     nnz, n_ovf = ctx.new_dynamic_size(), ctx.new_dynamic_size()
@@ -302,7 +315,8 @@ def _overflow_backward(
     """Rows on the dense overflow path: recompute their g and u, then their gradient shares (dense),
     leaving the hot units (hot_idx) to _hot_backward."""
     if overflow_rows.numel():
-        x_o, dy_o = x[overflow_rows], dy[overflow_rows]
+        idx, x_o = _overflow_rows(x, overflow_rows)  # -1 slots of a fixed-size list: zero rows, no share
+        dy_o = dy[idx]
         gate_o, up_o, h_o = _dense_rows_forward(x_o, w_gate, w_up)
         if hot_idx.numel():
             gate_o[:, hot_idx] = 0
@@ -310,7 +324,7 @@ def _overflow_backward(
         dh_o = (dy_o @ w_down.T).float() + l1_scale * torch.sign(h_o.float())
         d_gate_o = (dh_o * up_o.float() * (gate_o > 0)).to(x.dtype)
         d_up_o = (dh_o * gate_o.float()).to(x.dtype)
-        dx.index_copy_(0, overflow_rows, d_gate_o @ w_gate + d_up_o @ w_up)
+        dx.index_add_(0, idx, d_gate_o @ w_gate + d_up_o @ w_up)  # row_dx left 0 there (empty rows)
         dw_gate.addmm_(d_gate_o.T, x_o)
         dw_up.addmm_(d_up_o.T, x_o)
         dw_down.addmm_(h_o.T, dy_o)
@@ -337,7 +351,7 @@ def _backward(ctx, grad_y, grad_l1, *_unused):
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None)
+    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None, None)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -365,12 +379,12 @@ def twell_ffn(
     # Sized from this layer's last call (no host sync, see _sparse_forward); a torch.compile'd graph
     # takes the exact path (its trace must not depend on history).
     track = not torch.compiler.is_compiling()
-    capacity = 0
+    capacity = ovf_capacity = 0
     if track:
         capturing = _capturing(x)
         mode = "static" if capturing else _settings["sizes"]
         history = _capacities.get(layer)
-        capacity = history.get((M, K), 0) if history and mode != "exact" else 0
+        capacity, ovf_capacity = history.get((M, K), (0, 0)) if history and mode != "exact" else (0, 0)
         if mode == "static":
             if not capacity and capturing:
                 raise RuntimeError(
@@ -381,9 +395,8 @@ def twell_ffn(
             static_misses(x.device)  # made outside any capture
             capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
     y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down, K, capacity
+        x, w_gate, w_up, w_down, K, capacity, ovf_capacity
     )
-    if track and capacity >= 0:  # next call: this one's entries plus a margin; exact after overflow rows
-        nnz, overflow_rows = saved[1].numel(), saved[5].numel()
-        _capacities.setdefault(layer, {})[(M, K)] = 0 if overflow_rows else _with_margin(nnz)
+    if track and capacity >= 0:  # next call: this one's counts plus a margin (static calls keep theirs)
+        _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel(), saved[5].numel())
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

@@ -128,12 +128,15 @@ def build_pattern(
     slots: int,
     capacity: int | None = None,
     static: bool = False,
+    ovf_capacity: int = 0,
 ) -> TrainPattern:
     """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. Exact sizes with one host sync,
     or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc).
     `static` (with a capacity; CUDA graph capture): nothing is read back at all (pending None; the
     caller checks the device totals), and the slots past the entries hold row 0, column 0, gate 0,
-    so that every later pass may run over all `capacity` slots (a zero gate contributes nothing)."""
+    so that every later pass may run over all `capacity` slots (a zero gate contributes nothing).
+    `ovf_capacity` (with a capacity): overflow_rows is a fixed list of that many slots, the overflow
+    rows in order and then -1."""
     M, T = counts.shape
     device = counts.device
     counts = counts.to(torch.int32).contiguous()
@@ -167,7 +170,10 @@ def build_pattern(
             counts, tw_cols.contiguous(), tw_vals.contiguous(), row_ptr, rows, cols, gate, T,
             SLOTS=slots, BLOCK_T=triton.next_power_of_2(T), BLOCK_S=triton.next_power_of_2(slots),
         )  # fmt: skip
-    if n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
+    if capacity is not None and ovf_capacity:  # a fixed list: the flagged rows, then -1
+        order = torch.argsort(overflow, descending=True, stable=True)[:ovf_capacity]
+        overflow_rows = torch.where(overflow[order] > 0, order, -1)
+    elif n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)

@@ -237,10 +237,9 @@ def test_custom_ops_pass_opcheck():
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
     test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
     # capacity 0: exact sizes; 8: far too few entry slots (the op redoes the call exactly); 4096: fits
-    for hot_units, capacity in ((0, 0), (16, 0), (0, 8), (16, 4096)):
-        torch.library.opcheck(
-            torch.ops.twell.ffn_train_fwd.default, (*inputs, hot_units, capacity), test_utils=test_utils
-        )
+    # (hot units, capacity, overflow slots): a negative capacity is static (fixed, never read back)
+    for args in ((0, 0, 0), (16, 0, 0), (0, 8, 0), (16, 4096, 4), (0, -4096, 4)):
+        torch.library.opcheck(torch.ops.twell.ffn_train_fwd.default, (*inputs, *args), test_utils=test_utils)
 
 
 @pytest.mark.parametrize("mode", [ONE, SPLIT2, SPLIT3])
@@ -423,21 +422,33 @@ def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
         twell_ffn(*inputs, hot_units=-2)
 
 
+def _inputs_without_overflow(M, D, F):
+    """fp32 paper-like inputs (fresh seed) whose TwELL tiles all fit their slots: no overflow row."""
+    tile_n = default_tile_n(M, F)
+    for _ in range(50):
+        inputs = _inputs(M, D, F, torch.float32, mean_active=8.0)
+        _, counts = twell_gate_reference(inputs[0], inputs[1], tile_n)
+        if not (counts > default_slots(tile_n)).any():
+            return inputs
+    raise AssertionError("no overflow-free draw in 50 seeds")
+
+
 def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_miss(monkeypatch):
     """The default sizing: a layer's first call is exact (one sync), later calls take the previous
-    count plus a margin and check it only after issuing the forward. A fit gives bit-identical
+    counts plus a margin and check them only after issuing the forward. A fit gives bit-identical
     results to exact sizes; too few slots or a new overflow row redo the call exactly (right answer,
-    overflow counted) and reset the estimate."""
+    overflow counted) and reset the estimate; once a layer has overflow rows, later calls keep a few
+    overflow slots and need no redo."""
     import kernels.train as kt
 
     M, D, F = 37, 64, 256
-    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    x, w_gate, w_up, w_down = _inputs_without_overflow(M, D, F)
     weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]  # one "layer": fixed tensors
     grad_y = torch.randn(M, D, device=DEVICE)
     seen = []  # the capacity of each _sparse_forward pass and whether it returned (None: a miss)
     real = kt._sparse_forward
     monkeypatch.setattr(
-        kt, "_sparse_forward", lambda *a: seen.append((a[-1], (out := real(*a)) is not None)) or out
+        kt, "_sparse_forward", lambda *a, **k: seen.append((a[7], (out := real(*a, **k)) is not None)) or out
     )
 
     def step(x_in):
@@ -455,13 +466,13 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     first, first_grads = step(x)
     nnz = int(first.row_active.sum())
     assert seen == [(None, True)] and int(first.overflow_rows) == 0
-    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
+    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz) == (kt._with_margin(nnz)[0], 0)
     second, second_grads = step(x)  # from the estimate, no sync until the forward is issued
-    assert seen[1] == (kt._with_margin(nnz), True)
+    assert seen[1] == (kt._with_margin(nnz)[0], True)
     assert torch.equal(second.y, first.y) and torch.equal(second.l1, first.l1)
     assert all(torch.equal(a, b) for a, b in zip(second_grads, first_grads))
 
-    kt._capacities[weights[0]][(M, 0)] = 8  # far fewer slots than entries: rows past them are cut
+    kt._capacities[weights[0]][(M, 0)] = (8, 0)  # far fewer slots than entries: rows past them are cut
     seen.clear()
     step(x)
     assert seen == [(8, False), (None, True)]  # the miss is redone exactly
@@ -471,8 +482,13 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     make_rows_dense(dense_x, [4])  # a row overflowing its tiles after clean calls
     seen.clear()
     out, _ = step(dense_x)
-    assert seen == [(kt._with_margin(nnz), False), (None, True)] and int(out.overflow_rows) == 1
-    assert kt._capacities[weights[0]][(M, 0)] == 0  # exact while a layer overflows
+    assert seen == [(kt._with_margin(nnz)[0], False), (None, True)] and int(out.overflow_rows) == 1
+    capacity, ovf_capacity = kt._capacities[weights[0]][(M, 0)]
+    assert ovf_capacity == 10  # room for the overflow row (twice as many + 8)
+    seen.clear()
+    again, _ = step(dense_x)  # its dense row now has a slot: no redo (the other 9 slots add nothing)
+    assert seen == [(capacity, True)] and int(again.overflow_rows) == 1
+    assert torch.equal(again.unit_fires, out.unit_fires) and torch.equal(again.row_active, out.row_active)
     try:
         kt.set_sizes("exact")
         seen.clear()
@@ -489,11 +505,12 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
 def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
     size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;
-    a call that does not fit, or that has an overflow row, is counted in static_misses."""
+    a call that does not fit (entries, or overflow rows past the layer's overflow slots) is counted in
+    static_misses; overflow rows that fit their slots are exact."""
     import kernels.train as kt
 
     M, D, F = 41, 64, 256
-    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    x, w_gate, w_up, w_down = _inputs_without_overflow(M, D, F)
     weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
     grad_y = torch.randn(M, D, device=DEVICE)
     misses = kt.static_misses(DEVICE)
@@ -518,14 +535,20 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
             assert _rel_err(a, b) <= 1e-5
         assert torch.equal(out.row_active, first.row_active) and torch.equal(out.unit_fires, first.unit_fires)
 
-        kt._capacities[weights[0]][(M, hot)] = 8  # too small: counted, not redone
+        kt._capacities[weights[0]][(M, hot)] = (8, 0)  # too small: counted, not redone
         step(x)
         assert int(misses) == 1
         kt._capacities[weights[0]][(M, hot)] = capacity
         dense_x = x.clone()
-        make_rows_dense(dense_x, [5])  # an overflow row: the static path has no dense rows
+        make_rows_dense(dense_x, [5, 30])  # overflow rows, and no overflow slot in the layer's history
         step(dense_x)
         assert int(misses) == 2
+        kt._capacities[weights[0]][(M, hot)] = (capacity[0], 3)  # room for them: exact, not a miss
+        out, grads = step(dense_x)
+        assert int(misses) == 2 and int(out.overflow_rows) == 2
+        ref, ref_grads = _run(relu_ffn, [dense_x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+        for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+            assert _rel_err(a, b) <= 1e-5
     finally:
         kt.set_sizes("estimate")
         misses.zero_()

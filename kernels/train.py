@@ -34,7 +34,7 @@ from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, to_csc
 from .train_hot import hot_backward, hot_forward
-from .train_rowfwd import row_dx, row_ffn_forward
+from .train_rowfwd import row_backward, row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
@@ -45,7 +45,9 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 #             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
 #             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
 #             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
-BACKWARD_VARIANTS = ("fused3", "split")
+#   "rows":   as fused3, but dh, d_gate, d_up and h come from the dx kernel's rows (row_backward: dy[row]
+#             loaded once per row, not once per entry), one kernel less.
+BACKWARD_VARIANTS = ("fused3", "split", "rows")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
 # and checks the true count once the forward is issued (no host sync while the gate runs; a call that
@@ -191,7 +193,7 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capac
     # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
     pat = build_pattern(
-        tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static, ovf_capacity=ovf_capacity
+        tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static, ovf_capacity=ovf_capacity, n_cols=F
     )
     if K:
         # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
@@ -230,9 +232,10 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capac
         unit_fires = fires  # every positive of the batch, hot and cold (from the gate's bitmask)
     else:
         # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
-        unit_fires = torch.zeros(F, dtype=torch.int32, device=x.device)
-        # (unused slots of a static list sit at column 0 with a zero gate: not a fire)
-        unit_fires.index_add_(0, cols, (gate > 0).to(torch.int32) if static else torch.ones_like(cols))
+        # (unused slots of a static list sit at column F, one past the last unit: dropped by the slice)
+        unit_fires = torch.zeros(F + static, dtype=torch.int32, device=x.device)
+        unit_fires.index_add_(0, cols, torch.ones_like(cols))
+        unit_fires = unit_fires[:F]
     if ovf.numel() and not K:  # with hot units, fires come from the gate's bitmask (every positive)
         unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
     return (
@@ -271,16 +274,18 @@ def _ffn_train_bwd(
     variant = _settings["backward"]
     if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
         variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
-    # Per entry, one kernel: dh = dy . w_down + l1_scale * sign(h); d_gate = dh * u; d_up = dh * g; h.
-    d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
-    # dx first: the longest kernel that needs no CSC, so the host issues the CSC's ~20 small ops while
-    # it runs instead of starving the GPU (H200, NOTES_TRAIN.md round 7: 5.35 ms of kernels, 7.4 ms wall).
+    # Per entry: dh = dy . w_down + l1_scale * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
+    # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
     dx = torch.empty_like(x)
-    row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
+    if variant == "rows":  # both in one pass over the rows
+        d_gate, d_up, h = row_backward(row_ptr, cols, gate, up, dy, l1_scale, w_down, w_gate, w_up, dx)
+    else:
+        d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
+        row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    if variant == "fused3":
+    if variant in ("fused3", "rows"):
         segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)

@@ -129,12 +129,13 @@ def build_pattern(
     capacity: int | None = None,
     static: bool = False,
     ovf_capacity: int = 0,
+    n_cols: int = 0,
 ) -> TrainPattern:
     """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. Exact sizes with one host sync,
     or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc).
     `static` (with a capacity; CUDA graph capture): nothing is read back at all (pending None; the
-    caller checks the device totals), and the slots past the entries hold row 0, column 0, gate 0,
-    so that every later pass may run over all `capacity` slots (a zero gate contributes nothing).
+    caller checks the device totals), and the slots past the entries hold row 0, column `n_cols` (past
+    the last unit: a column sort puts them last, outside every column) and gate 0 (no contribution).
     `ovf_capacity` (with a capacity): overflow_rows is a fixed list of that many slots, the overflow
     rows in order and then -1."""
     M, T = counts.shape
@@ -163,7 +164,10 @@ def build_pattern(
 
     alloc = torch.zeros if static else torch.empty
     rows = alloc(nnz, device=device, dtype=torch.int32)
-    cols = alloc(nnz, device=device, dtype=torch.int32)
+    if static:
+        cols = torch.full((nnz,), n_cols, device=device, dtype=torch.int32)
+    else:
+        cols = torch.empty(nnz, device=device, dtype=torch.int32)
     gate = alloc(nnz, device=device, dtype=tw_vals.dtype)
     if nnz:
         _twell_to_csr_kernel[(M,)](

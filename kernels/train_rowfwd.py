@@ -150,3 +150,75 @@ def row_dx(
     _launch_dx[(M,)](
         row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting()
     )
+
+
+@triton.jit
+def _row_bwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, up_ptr, dy_ptr, l1_ptr, wd_ptr, wg_ptr, wu_ptr, dg_ptr,
+                    du_ptr, h_ptr, dx_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                    CHUNK: tl.constexpr):  # fmt: skip
+    """Per row, the backward's entry gradients and dx in one pass: dy[row] is loaded once (the entry
+    kernel gathers it once per entry), then per CHUNK entries dh = dy . w_down[unit] + l1 * sign(h),
+    d_gate = dh * u, d_up = dh * g and h are stored for the column pass, and dx[row] accumulates
+    d_gate * w_gate[unit] + d_up * w_up[unit]."""
+    row = tl.program_id(0).to(tl.int64)
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < D
+    dy = tl.load(dy_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+    l1 = tl.load(l1_ptr)
+    start = tl.load(row_ptr_ptr + row)
+    end = tl.load(row_ptr_ptr + row + 1)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
+        e0 = start
+        while e0 < end:
+            acc = _row_bwd_step(e0, end, acc, dy, l1, cols_ptr, gate_ptr, up_ptr, wd_ptr, wg_ptr, wu_ptr, dg_ptr,
+                                du_ptr, h_ptr, ds, d_ok, D, CHUNK)  # fmt: skip
+            e0 += CHUNK
+    else:
+        for e0 in range(start, end, CHUNK):
+            acc = _row_bwd_step(e0, end, acc, dy, l1, cols_ptr, gate_ptr, up_ptr, wd_ptr, wg_ptr, wu_ptr, dg_ptr,
+                                du_ptr, h_ptr, ds, d_ok, D, CHUNK)  # fmt: skip
+    tl.store(dx_ptr + row * D + ds, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _row_bwd_step(e0, end, acc, dy, l1, cols_ptr, gate_ptr, up_ptr, wd_ptr, wg_ptr, wu_ptr, dg_ptr, du_ptr, h_ptr,
+                  ds, d_ok, D: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    offs = e0 + tl.arange(0, CHUNK)
+    ok = offs < end
+    units = tl.load(cols_ptr + offs, mask=ok, other=0).to(tl.int64)
+    g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=ok, other=0.0)
+    w_off = units[:, None] * D + ds[None, :]
+    live = ok[:, None] & d_ok[None, :]
+    wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
+    h = g * u
+    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+    dh = tl.sum(wd.to(tl.float32) * dy[None, :], axis=1) + l1 * sign
+    d_gate = dh * u
+    d_up = dh * g
+    tl.store(dg_ptr + offs, d_gate, mask=ok)
+    tl.store(du_ptr + offs, d_up, mask=ok)
+    tl.store(h_ptr + offs, h, mask=ok)
+    wg = tl.load(wg_ptr + w_off, mask=live, other=0.0)
+    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+    return acc + tl.sum(d_gate[:, None] * wg.to(tl.float32) + d_up[:, None] * wu.to(tl.float32), axis=0)
+
+
+_launch_bwd = _tuned(_configs(), key=["D"])(_row_bwd_kernel)
+
+
+def row_backward(
+    row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor,
+    l1_scale: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, dx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(d_gate, d_up, h) fp32 [n] per entry, as entry_grads computes them, and dx [M, D] (fully
+    written; rows without entries get 0), in one pass over the CSR rows. Entries outside every row's
+    segment (a static list's unused slots) are left unwritten. l1_scale: fp32 0-dim device tensor."""
+    M, D = dx.shape
+    d_gate, d_up, h = torch.empty(3, cols.numel(), device=dx.device, dtype=torch.float32).unbind()
+    _launch_bwd[(M,)](
+        row_ptr, cols, gate, up, dy, l1_scale.reshape(1), w_down, w_gate, w_up, d_gate, d_up, h, dx, D=D,
+        BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(),
+    )  # fmt: skip
+    return d_gate, d_up, h

@@ -64,6 +64,11 @@ def _entry_grads_kernel(
 ):  # fmt: skip
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < nnz
+    # Every entry has g > 0 (the ReLU mask); a zero gate is an unused slot of a fixed-capacity list
+    # (CUDA graphs: column past the last unit, u never written): it loads nothing and gives zeros.
+    g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+    live = g > 0
+    mask_e = mask_e & live
     rows = tl.load(rows_ptr + offs_e, mask=mask_e, other=0).to(tl.int64)
     cols = tl.load(cols_ptr + offs_e, mask=mask_e, other=0).to(tl.int64)
     # Elementwise fp32 accumulation, one cross-thread reduction at the end (not one per D block).
@@ -74,17 +79,14 @@ def _entry_grads_kernel(
         a = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_d[None, :], mask=mask, other=0.0)
         b = tl.load(wd_ptr + cols[:, None] * stride_wd + offs_d[None, :], mask=mask, other=0.0)
         acc += a.to(tl.float32) * b.to(tl.float32)
-    g = tl.load(gate_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
-    # Every entry has g > 0 (the ReLU mask); a zero gate is an unused slot of a fixed-capacity list
-    # (CUDA graphs) whose u was never written: it must contribute exactly nothing.
-    live = g > 0
     h = tl.where(live, g * u, 0.0)
     sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
     dh = tl.sum(acc, axis=1) + tl.load(l1_ptr) * sign
-    tl.store(d_gate_ptr + offs_e, tl.where(live, dh * u, 0.0), mask=mask_e)
-    tl.store(d_up_ptr + offs_e, dh * g, mask=mask_e)
-    tl.store(h_ptr + offs_e, h, mask=mask_e)
+    stored = offs_e < nnz
+    tl.store(d_gate_ptr + offs_e, tl.where(live, dh * u, 0.0), mask=stored)
+    tl.store(d_up_ptr + offs_e, tl.where(live, dh * g, 0.0), mask=stored)
+    tl.store(h_ptr + offs_e, h, mask=stored)
 
 
 def entry_grads(

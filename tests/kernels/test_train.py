@@ -501,8 +501,8 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
         kt.set_sizes("sometimes")
 
 
-@pytest.mark.parametrize("hot", [0, 16])
-def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
+@pytest.mark.parametrize("hot,variant", [(0, "fused3"), (16, "fused3"), (16, "rows"), (0, "split")])
+def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, variant):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
     size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;
     a call that does not fit (entries, or overflow rows past the layer's overflow slots) is counted in
@@ -526,6 +526,7 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
 
     try:
         kt.set_sizes("static")
+        set_backward_variant(variant)  # the unused slots meet every backward schedule
         first, _ = step(x)  # no history yet: an exact call, which records the count
         capacity = kt._capacities[weights[0]][(M, hot)]
         out, grads = step(x)
@@ -551,6 +552,7 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot):
             assert _rel_err(a, b) <= 1e-5
     finally:
         kt.set_sizes("estimate")
+        set_backward_variant("auto")
         misses.zero_()
 
 

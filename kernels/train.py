@@ -34,7 +34,7 @@ from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, to_csc
 from .train_hot import hot_backward, hot_forward
-from .train_rowfwd import row_backward, row_dx, row_ffn_forward
+from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
@@ -45,9 +45,7 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 #             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
 #             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
 #             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
-#   "rows":   as fused3, but dh, d_gate, d_up and h come from the dx kernel's rows (row_backward: dy[row]
-#             loaded once per row, not once per entry), one kernel less.
-BACKWARD_VARIANTS = ("fused3", "split", "rows")
+BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
 # and checks the true count once the forward is issued (no host sync while the gate runs; a call that
@@ -276,16 +274,13 @@ def _ffn_train_bwd(
         variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
     # Per entry: dh = dy . w_down + l1_scale * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
+    d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
     dx = torch.empty_like(x)
-    if variant == "rows":  # both in one pass over the rows
-        d_gate, d_up, h = row_backward(row_ptr, cols, gate, up, dy, l1_scale, w_down, w_gate, w_up, dx)
-    else:
-        d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
-        row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
+    row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    if variant in ("fused3", "rows"):
+    if variant == "fused3":
         segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)

@@ -33,7 +33,7 @@ from .gate import twell_gate, twell_gate_hot
 from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, to_csc
-from .train_hot import hot_backward, hot_forward
+from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
@@ -300,13 +300,9 @@ def _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, 
     the weight rows the forward gathered, w_gu = [w_gate[hot]; w_up[hot]]; coefficients rounded to x's
     dtype). Their weight-gradient rows hold zeros from the column pass (no sparse entries there) and
     are overwritten."""
-    K = hot_idx.numel()
     d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, l1_scale)
     dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
-    dw_gu = d_gu.T @ x
-    dw_gate.index_copy_(0, hot_idx, dw_gu[:K])
-    dw_up.index_copy_(0, hot_idx, dw_gu[K:])
-    dw_down.index_copy_(0, hot_idx, h_hot.T @ dy)
+    scatter_hot_rows(hot_idx, d_gu.T @ x, h_hot.T @ dy, dw_gate, dw_up, dw_down)
 
 
 def _overflow_backward(

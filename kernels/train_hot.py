@@ -82,3 +82,29 @@ def hot_backward(
         dh_dense, g_hot, u_hot, l1_scale.reshape(1), d_gu, h, n, K=K, BLOCK=block, num_warps=4
     )
     return d_gu, h
+
+
+@triton.jit
+def _scatter_hot_rows_kernel(idx_ptr, gu_ptr, d_ptr, out_g_ptr, out_u_ptr, out_d_ptr, K, D: tl.constexpr,
+                             BLOCK: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = ds < D
+    dst = tl.load(idx_ptr + r) * D + ds
+    src = r.to(tl.int64) * D + ds
+    tl.store(out_g_ptr + dst, tl.load(gu_ptr + src, mask=ok), mask=ok)
+    tl.store(out_u_ptr + dst, tl.load(gu_ptr + K * D + src, mask=ok), mask=ok)
+    tl.store(out_d_ptr + dst, tl.load(d_ptr + src, mask=ok), mask=ok)
+
+
+def scatter_hot_rows(
+    hot_idx: torch.Tensor, dw_gu: torch.Tensor, dw_down_hot: torch.Tensor, dw_gate: torch.Tensor,
+    dw_up: torch.Tensor, dw_down: torch.Tensor,
+) -> None:  # fmt: skip
+    """dw_gate[hot_idx] = dw_gu[:K], dw_up[hot_idx] = dw_gu[K:], dw_down[hot_idx] = dw_down_hot: the hot
+    units' weight-gradient rows in one launch (three index_copy_ otherwise). All contiguous, one dtype."""
+    K, D = dw_down_hot.shape
+    block = min(1024, next_pow2(D)) if not interpreting() else min(64, next_pow2(D))
+    _scatter_hot_rows_kernel[(K, triton.cdiv(D, block))](
+        hot_idx, dw_gu, dw_down_hot, dw_gate, dw_up, dw_down, K, D=D, BLOCK=block, num_warps=4
+    )

@@ -180,7 +180,7 @@ def _ffn_train_fwd(
 def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capacity=0, static=False):
     """Everything after the gate: pattern, up/down products, L1 and statistics. With a capacity the
     host issues it all without waiting and reads the true counts at the end (they are long computed by
-    then): None if the entries did not fit or a row overflowed (the caller redoes it exactly).
+    then): None if the entries or the overflow rows did not fit (the caller redoes it exactly).
     `static`: the capacity is used as is and never checked on the host (no sync at all, so a CUDA
     graph can hold the op); the saved entry list keeps its unused slots (zero gates: no contribution)
     and a call whose entries or overflow rows did not fit adds 1 to static_misses(). `ovf_capacity`:

@@ -13,7 +13,7 @@ is sized from them. With a `capacity` (the training op's default after its first
 the previous call's count plus a margin) nothing waits: the CSR is sized `capacity`, row_ptr is
 clamped to it so no kernel reads or writes past it, and the totals travel to host memory behind
 the kernels (`pending`). The caller reads them once it has issued its work and redoes the call
-exactly if the entries did not fit or a row overflowed (a rare miss costs one more pass; a wrong
+exactly if the entries or the overflow rows (a fixed slot list, `ovf_capacity`) did not fit (a miss costs one more pass; a wrong
 result is never returned). The host thus issues the layer while the gate GEMM runs instead of
 waiting for it: the step at 16k tokens is host-bound on an H200 (kernels/NOTES_TRAIN.md).
 """

@@ -20,7 +20,7 @@ stage_kernels() {
   python3 scripts/bench_gate.py --out "$OUT/bench_gate.json" 2>&1 | tee "$OUT/bench_gate.txt"
   python3 scripts/bench_ffn.py --d-ff 5632 --out "$OUT/bench_ffn.json" 2>&1 | tee "$OUT/bench_ffn.txt"
   python3 scripts/bench_ffn.py --tokens 1 64 131072 --d-ff 8192 --out "$OUT/bench_ffn_8192.json" 2>&1 | tee "$OUT/bench_ffn_8192.txt"
-  python3 scripts/bench_train.py --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.txt"
+  python3 scripts/bench_train.py --cuda-graph --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.txt"
 }
 
 # Dense baselines of issue 2: one micro-batch of 8 x 2048 per step, bf16, fused AdamW, SDPA.

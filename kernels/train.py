@@ -378,6 +378,8 @@ def twell_ffn(
     capacity = ovf_capacity = 0
     if track:
         capturing = _capturing(x)
+        if not capturing:  # the miss counter a later capture adds to, made outside any capture
+            static_misses(x.device)
         mode = "static" if capturing else _settings["sizes"]
         history = _capacities.get(layer)
         capacity, ovf_capacity = history.get((M, K), (0, 0)) if history and mode != "exact" else (0, 0)
@@ -388,7 +390,6 @@ def twell_ffn(
                     f"{f' and {K} hot units' if K else ''}: run the same step once eagerly before capturing"
                     " (its count, plus a margin, becomes the graph's fixed capacity)"
                 )
-            static_misses(x.device)  # made outside any capture
             capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
     y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
         x, w_gate, w_up, w_down, K, capacity, ovf_capacity

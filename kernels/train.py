@@ -52,8 +52,8 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # does not fit is redone exactly); "exact" waits for the count after the gate (the first call of a
 # layer always does); "static" takes the estimate as a fixed size and never reads anything back, so
 # a CUDA graph can hold the op: it is what a call under graph capture does whatever the setting. A
-# static call whose entries do not fit (or with a row overflowing its tiles) cannot be redone: it adds
-# 1 to static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
+# static call whose entries or overflow rows do not fit cannot be redone: it adds 1 to
+# static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
 SIZES = ("estimate", "exact", "static")
 _settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
@@ -84,8 +84,8 @@ def _capturing(x: Tensor) -> bool:
 
 
 def static_misses(device: torch.device | str) -> Tensor:
-    """Static-size calls on `device` whose entries did not fit their capacity or that had a row
-    overflowing its tiles (int32 0-dim tensor on the device, cumulative; `.zero_()` resets it). Their
+    """Static-size calls on `device` whose entries or overflow rows (rows with a tile past its slots)
+    did not fit the layer's capacities (int32 0-dim tensor on the device, cumulative; `.zero_()` resets it). Their
     results are wrong: after replaying a CUDA graph that holds twell_ffn, a non-zero count means the
     step must be recomputed eagerly (which also raises the layer's capacity)."""
     device = torch.device(device)
@@ -204,10 +204,10 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capac
         y_hot = l1_rows = None
         u_hot = x.new_empty(0, 0)  # outputs of a custom op may not alias each other
         row_active = pat.row_active
-    # Overflow rows have empty segments: y is y_hot (or 0) there, then replaced below. The row kernel
+    # Overflow rows have empty segments: y is y_hot (or 0) there, their dense share added below. The row kernel
     # also sums |h| per row on top of the hot units' share.
     up, y, l1_rows = row_ffn_forward(
-        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows, zero_unused=static
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
     )
     rows, cols, gate, ovf = pat.rows, pat.cols, pat.gate, pat.overflow_rows
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
@@ -237,7 +237,7 @@ def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capac
     if ovf.numel() and not K:  # with hot units, fires come from the gate's bitmask (every positive)
         unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
     return (
-        y, l1, row_active, unit_fires, pat.n_overflow,
+        y, l1, row_active, unit_fires, pat.totals[0],  # the overflow-row count, on the device
         pat.row_ptr, rows, cols, gate, up, ovf, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 

@@ -13,8 +13,8 @@ is sized from them. With a `capacity` (the training op's default after its first
 the previous call's count plus a margin) nothing waits: the CSR is sized `capacity`, row_ptr is
 clamped to it so no kernel reads or writes past it, and the totals travel to host memory behind
 the kernels (`pending`). The caller reads them once it has issued its work and redoes the call
-exactly if the entries or the overflow rows (a fixed slot list, `ovf_capacity`) did not fit (a miss costs one more pass; a wrong
-result is never returned). The host thus issues the layer while the gate GEMM runs instead of
+exactly if the entries or the overflow rows (a fixed slot list, `ovf_capacity`) did not fit (a miss
+costs one more pass; a wrong result is never returned). The host thus issues the layer while the gate GEMM runs instead of
 waiting for it: the step at 16k tokens is host-bound on an H200 (kernels/NOTES_TRAIN.md).
 """
 
@@ -63,11 +63,11 @@ class TrainPattern(NamedTuple):
     gate: torch.Tensor  # [nnz] dtype of x: relu(x w_gate^T) at the entry, > 0
     overflow_rows: torch.Tensor  # int64 [n_ovf]: rows computed densely (a TwELL tile overflowed)
     row_active: torch.Tensor  # int32 [M]: positive gate values per row (overflow rows included)
-    n_overflow: torch.Tensor  # int32 0-dim on the device: rows on the dense path (their count)
+    totals: torch.Tensor  # int32 [2] on the device: (overflow rows, entries)
     # Built with a capacity: the four entry arrays hold `capacity` slots (the first nnz valid once
-    # pending.read() shows nnz <= capacity), overflow_rows is empty and read() gives the true counts.
+    # pending.read() shows nnz <= capacity), overflow_rows `ovf_capacity` (-1 padded); read() gives
+    # the true counts (None when static: nothing is read back).
     pending: PendingTotals | None = None
-    totals: torch.Tensor | None = None  # int32 [2] on the device: (overflow rows, entries)
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def build_pattern(
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals[0], pending, totals)
+    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals, pending)
 
 
 @triton.jit

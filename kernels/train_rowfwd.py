@@ -78,14 +78,12 @@ _launch = _tuned(_configs(), key=["D"])(_row_fwd_kernel)
 def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
     w_down: torch.Tensor, init: torch.Tensor | None = None, l1_init: torch.Tensor | None = None,
-    zero_unused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = init + sum over the row's entries of
     gate * u * w_down[col], l1 fp32 [M] = l1_init + sum over the row's entries of |gate * u|); init
-    [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous.
-    zero_unused: u is 0 at entries outside every row's segment (a static list's unused slots)."""
+    [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous."""
     M, D = x.shape
-    up = (torch.zeros if zero_unused else torch.empty)(cols.numel(), device=x.device, dtype=torch.float32)
+    up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
     if cols.numel() == 0:  # every row on the dense overflow path (or silent): nothing to gather
         y = init.clone() if init is not None else torch.zeros_like(x)
         l1 = l1_init.clone() if l1_init is not None else x.new_zeros(M, dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -12,6 +13,23 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_hot_units(k, name: str = "hot_units", default: str = "None") -> int | None:
+    """None (the kernels' default) or k as an int >= 0 (any integer type, not bool); anything else is a
+    ValueError naming `name` (the argument or config key the caller was given) and `default` (how the
+    caller spells None)."""
+    if k is None:
+        return None
+    try:
+        value = operator.index(k)
+    except TypeError:
+        value = -1
+    if isinstance(k, bool) or value < 0:
+        raise ValueError(
+            f"{name}={k!r} must be an integer >= 0 (0 turns hot units off) or {default} (the default)"
+        )
+    return value
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

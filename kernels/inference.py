@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_ffn_args, check_kernel_device, interpreting, next_pow2
+from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
 from .gate import twell_gate, twell_gate_hot
 
 SCHEDULES = ("row",)
@@ -232,11 +232,10 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
     if decode and tile_n is None and slots is None:
         # 32-wide tiles with 32 slots: the gate GEMV gets F/32 programs, and no tile can overflow.
         tile_n = slots = 32
+    hot_units = check_hot_units(hot_units)
     if hot_units is None:
         hot_units = default_hot_units(M, F)
-    hot_units = 0 if decode else min(int(hot_units), F)
-    if hot_units < 0:
-        raise ValueError(f"hot_units={hot_units} must be >= 0")
+    hot_units = 0 if decode else min(hot_units, F)
     if hot_units:
         hot = twell_gate_hot(x, w_gate, hot_units, slots=slots, tile_n=tile_n)
         gate = hot.gate

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._common import check_ffn_args, check_kernel_device
+from ._common import check_ffn_args, check_hot_units, check_kernel_device
 from .gate import twell_gate, twell_gate_hot
 from .inference import default_hot_units
 from .reference import FFNOutput
@@ -122,9 +122,7 @@ def set_hot_units(k: int | None) -> None:
 def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     """Hot units a call with M rows and d_ff F takes: `hot_units` when given, else the module setting
     (set_hot_units), else the default (inference's default_hot_units)."""
-    k = _settings["hot_units"] if hot_units is None else hot_units
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ValueError(f"hot_units={k!r} must be an integer >= 0 (0 turns them off) or None (the default)")
+    k = check_hot_units(_settings["hot_units"] if hot_units is None else hot_units)
     if k is None:
         return default_hot_units(M, F)
     return min(k, F)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kernels._common import check_hot_units
+
 FFN_IMPLS = ("dense", "twell", "auto")
 
 # The paper's sizes (PAPER.md "Model"): only the depth changes between 0.5B and 2B.
@@ -70,11 +72,7 @@ class ModelConfig:
                 raise ValueError(f"{field}={value!r} must be positive")
         if self.twell_check_interval <= 0:
             raise ValueError(f"twell_check_interval={self.twell_check_interval} must be a positive integer")
-        hot = self.twell_hot_units
-        if hot is not None and (isinstance(hot, bool) or not isinstance(hot, int) or hot < 0):
-            raise ValueError(
-                f"twell_hot_units={hot!r} must be an integer >= 0 (0 turns hot units off) or null (the default)"
-            )
+        check_hot_units(self.twell_hot_units, "twell_hot_units", default="null")
         if self.d_model % 64:
             raise ValueError(f"d_model={self.d_model} must be a multiple of 64 (the FFN kernels tile by 64)")
         if self.d_ff % 64:

@@ -376,7 +376,7 @@ def twell_ffn(
     capacity = ovf_capacity = 0
     if track:
         capturing = _capturing(x)
-        if not capturing:  # the miss counter a later capture adds to, made outside any capture
+        if not capturing and x.device not in _misses:  # made outside any capture, for a later one
             static_misses(x.device)
         mode = "static" if capturing else _settings["sizes"]
         history = _capacities.get(layer)

@@ -135,7 +135,8 @@ def build_pattern(
     or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc).
     `static` (with a capacity; CUDA graph capture): nothing is read back at all (pending None; the
     caller checks the device totals), and the slots past the entries hold row 0, column `n_cols` (past
-    the last unit: a column sort puts them last, outside every column) and gate 0 (no contribution).
+    the last unit: a column sort puts them last, outside every column) and gate 0 (no contribution;
+    their rows are never read).
     `ovf_capacity` (with a capacity): overflow_rows is a fixed list of that many slots, the overflow
     rows in order and then -1."""
     M, T = counts.shape
@@ -157,28 +158,27 @@ def build_pattern(
     if capacity is not None:
         row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
         pending = None if static else PendingTotals(totals)
-        nnz, n_ovf = capacity, 0
+        nnz, n_ovf = capacity, ovf_capacity  # a fixed overflow list (flagged rows first, then -1)
     else:
         pending = None
         n_ovf, nnz = totals.tolist()
 
-    alloc = torch.zeros if static else torch.empty
-    rows = alloc(nnz, device=device, dtype=torch.int32)
-    if static:
+    rows = torch.empty(nnz, device=device, dtype=torch.int32)
+    if static:  # unused slots: past the last column, gate 0 (rows never read there)
         cols = torch.full((nnz,), n_cols, device=device, dtype=torch.int32)
+        gate = torch.zeros(nnz, device=device, dtype=tw_vals.dtype)
     else:
         cols = torch.empty(nnz, device=device, dtype=torch.int32)
-    gate = alloc(nnz, device=device, dtype=tw_vals.dtype)
+        gate = torch.empty(nnz, device=device, dtype=tw_vals.dtype)
     if nnz:
         _twell_to_csr_kernel[(M,)](
             counts, tw_cols.contiguous(), tw_vals.contiguous(), row_ptr, rows, cols, gate, T,
             SLOTS=slots, BLOCK_T=triton.next_power_of_2(T), BLOCK_S=triton.next_power_of_2(slots),
         )  # fmt: skip
-    if capacity is not None and ovf_capacity:  # a fixed list: the flagged rows, then -1
-        order = torch.argsort(overflow, descending=True, stable=True)[:ovf_capacity]
-        overflow_rows = torch.where(overflow[order] > 0, order, -1)
-    elif n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
+    if n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
         overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
+        if capacity is not None:
+            overflow_rows = torch.where(overflow[overflow_rows] > 0, overflow_rows, -1)
     else:  # the common case: no sort, no launches
         overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
     return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals, pending)

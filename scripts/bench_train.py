@@ -145,17 +145,19 @@ def _l1_grad(device) -> torch.Tensor:
     return _L1_GRAD[device]
 
 
-def _step(fn, leaves, grad_y):
+def _step(fn, leaves, grad_y) -> torch.Tensor:
+    """One forward + backward with fresh gradients; returns y."""
     for t in leaves:
         t.grad = None
     y, l1 = fn(*leaves)
     torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
+    return y
 
 
 def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
     """Median ms, from a synchronized start: the host returning from the forward (it includes the
-    TwELL forward's one sync), from the backward call (no sync inside: pure issue time), and the GPU
-    finishing. Backward issue time close to the GPU finish means the step is host-bound."""
+    TwELL forward's one read of its counts), from the backward call (no sync inside: pure issue time),
+    and the GPU finishing. Backward issue time close to the GPU finish means the step is host-bound."""
     import time
 
     runs = []
@@ -202,8 +204,7 @@ def graphed_step(fn, leaves, grad_y, ref, rep: int, twell: bool) -> dict:
         for t in leaves:
             t.grad = None
         with torch.cuda.graph(graph):
-            y, l1 = fn(*leaves)
-            torch.autograd.backward([y, l1], [grad_y, _l1_grad(device)])
+            y = _step(fn, leaves, grad_y)
     finally:
         set_sizes("estimate")
     misses = static_misses(device)

@@ -763,6 +763,30 @@ def twell_gate(
     return TwELLGate(counts, cols, vals, tile_n, slots)
 
 
+def pack_positive_bits(h: torch.Tensor) -> torch.Tensor:
+    """int32 [M, F // 32]: bit c % 32 of word [row, c // 32] set iff h[row, c] > 0 (the dense_bits
+    epilogue's bitmask, built with torch ops: the fallback when that epilogue cannot compile)."""
+    M, F = h.shape
+    lanes = torch.arange(32, device=h.device, dtype=torch.int64)
+    words = ((h > 0).view(M, F // 32, 32).to(torch.int64) << lanes).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def relu_gate_bits(x: torch.Tensor, w_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = relu(x @ w_gate^T) [M, F] in x's dtype, its positive bitmask int32 [M, F // 32]) from one
+    GEMM (the dense_bits epilogue): the first pass of the training op's gate (kernels/train_format.py
+    compacts it into a CSR). F must be a multiple of 32."""
+    check_x_weight(x, w_gate, "w_gate")
+    check_kernel_device(x)
+    M, F = x.shape[0], w_gate.shape[0]
+    if F % 32:
+        raise ValueError(f"d_ff={F} must be a multiple of 32 for the gate's bitmask")
+    tile_n, slots = _format(M, F, None, None)
+    h = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    bits = _dense_pass(x, w_gate, h, h, h, h, tile_n, slots)  # counts/cols/vals: unused by these epilogues
+    return h, pack_positive_bits(h) if bits is None else bits
+
+
 @triton.jit
 def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr):
     """fires[c] += positives of column c over this program's ROWS rows, from the positive bitmask

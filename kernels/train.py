@@ -1,14 +1,15 @@
 """twell_ffn: the training op of the ReLU-gated FFN, sparse in everything but the gate GEMM.
 
 Forward (x [M, D]; w_gate, w_up, w_down [F, D], w_down neuron-major):
-  1. twell_gate: the dense gate GEMM, ReLU and compaction in its epilogue (TwELL tiles).
-  2. build_pattern: TwELL -> exact CSR of the active entries; rows whose tiles overflowed TwELL's
-     slots are listed for the dense path instead (never dropped, counted in `overflow_rows`).
+  1. relu_gate_bits: the dense gate GEMM writes relu(x w_gate^T) and a bitmask of its positives;
+     count_fires counts each unit's positives from the bitmask (unit_fires, the hot units' choice).
+  2. build_pattern: bitmask -> exact CSR of the active entries (two small kernels that visit set bits
+     only). A row holds all its positives, so no row overflows and nothing is dropped.
   3. u = x . w_up only at the entries (sampled dot); h = g * u; y = h w_down (row segments).
-  4. L1 = sum |h| / M, row_active, unit_fires from the same entries.
+  4. L1 = sum |h| / M, row_active from the same entries and bitmask.
 Saved for backward: x and the weights (inputs, saved by any FFN) plus per entry its row, column,
 gate and up values (16 bytes an entry: ~8 MB at 16k tokens x 30 active, against ~550 MB of dense
-[M, F] activations). Overflow rows save nothing: backward recomputes their g and u densely.
+[M, F] activations). The dense h is transient (freed once the CSR is built).
 The entry list is sized without a host sync after a layer's first call (see SIZES).
 
 Backward, on the same pattern:
@@ -29,7 +30,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device
-from .gate import twell_gate, twell_gate_hot
+from .gate import count_fires, relu_gate_bits, select_hot_units
 from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, to_csc
@@ -52,7 +53,7 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # does not fit is redone exactly); "exact" waits for the count after the gate (the first call of a
 # layer always does); "static" takes the estimate as a fixed size and never reads anything back, so
 # a CUDA graph can hold the op: it is what a call under graph capture does whatever the setting. A
-# static call whose entries or overflow rows do not fit cannot be redone: it adds 1 to
+# static call whose entries do not fit cannot be redone: it adds 1 to
 # static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
 SIZES = ("estimate", "exact", "static")
 _settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
@@ -60,12 +61,10 @@ _settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _with_margin(nnz: int, n_ovf: int = 0) -> tuple[int, int]:
-    """(entry, overflow-row) capacities for the next call after one with nnz entries and n_ovf overflow
-    rows: entries +1/8 + 2048 in 1024 steps (batches of a layer differ by a few %; a miss costs one
-    redone pass, an extra slot 16 bytes); overflow rows none after a call without any, else twice as
-    many + 8 (each one a dense row)."""
-    return (nnz + nnz // 8 + 2048) // 1024 * 1024, (2 * n_ovf + 8 if n_ovf else 0)
+def _with_margin(nnz: int) -> int:
+    """Entry capacity for the next call after one with nnz entries: +1/8 + 2048 in 1024 steps (batches
+    of a layer differ by a few %; a miss costs one redone pass, an extra slot 16 bytes)."""
+    return (nnz + nnz // 8 + 2048) // 1024 * 1024
 
 
 def set_sizes(mode: str) -> None:
@@ -84,8 +83,8 @@ def _capturing(x: Tensor) -> bool:
 
 
 def static_misses(device: torch.device | str) -> Tensor:
-    """Static-size calls on `device` whose entries or overflow rows (rows with a tile past its slots)
-    did not fit the layer's capacities (int32 0-dim tensor on the device, cumulative; `.zero_()` resets it). Their
+    """Static-size calls on `device` whose entries did not fit the layer's capacity (int32 0-dim tensor
+    on the device, cumulative; `.zero_()` resets it). Their
     results are wrong: after replaying a CUDA graph that holds twell_ffn, a non-zero count means the
     step must be recomputed eagerly (which also raises the layer's capacity)."""
     device = torch.device(device)
@@ -128,141 +127,102 @@ def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     return min(k, F)
 
 
-def _overflow_rows(src: Tensor, overflow_rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(row index, src rows) of the overflow list. A fixed-size list (sizes "estimate"/"static") pads
-    with -1: those slots take row 0 with zeros for its values, so they add exactly nothing anywhere."""
-    idx = overflow_rows.clamp(min=0)
-    return idx, src[idx] * (overflow_rows >= 0).unsqueeze(1).to(src.dtype)
-
-
-def _dense_rows_forward(x_rows: Tensor, w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """g, u, h of overflow rows, dense and in x's dtype, as a dense FFN computes them."""
-    gate = torch.relu(x_rows @ w_gate.T)
-    up = x_rows @ w_up.T
-    return gate, up, gate * up
-
-
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
 def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int, ovf_capacity: int
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
 ) -> tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-    Tensor, Tensor, Tensor,
+    Tensor, Tensor,
 ]:  # fmt: skip
-    K = hot_units
-    if K:  # hot columns go to g_hot (dense), the cold ones to TwELL; overflow is decided on cold ones
-        hg = twell_gate_hot(x, w_gate, K)
-        tw, hot_idx, g_hot, fires = hg.gate, hg.hot_idx, hg.g_hot, hg.fires
+    if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
+        return _forward(x, w_gate, w_up, w_down, hot_units, -capacity, static=True)
+    if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
+        out = _forward(x, w_gate, w_up, w_down, hot_units, capacity)
+        if out is not None:
+            return out
+    return _forward(x, w_gate, w_up, w_down, hot_units, None)
+
+
+def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
+    """The whole forward. With a capacity the host issues it all without waiting and reads the true
+    entry count at the end (long computed by then): None if the entries did not fit (the caller redoes
+    it exactly, gate included: the dense h is not kept that long). `static`: the capacity is used as
+    is and never checked on the host (no sync at all, so a CUDA graph can hold the op); the saved entry
+    list keeps its unused slots (zero gates: no contribution) and a call whose entries did not fit
+    adds 1 to static_misses()."""
+    # The dense gate GEMM writes relu(x w_gate^T) and its positive bitmask; every unit's positives over
+    # the batch are counted from the bitmask (unit_fires, and the hot units' choice).
+    h, bits = relu_gate_bits(x, w_gate)
+    fires = count_fires(bits)
+    if K:  # hot columns go to g_hot (dense), the cold ones to the CSR
+        hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
+        g_hot = torch.zeros(x.shape[0], K, dtype=x.dtype, device=x.device)
+        split = (hot_pos, hot_bits, g_hot)
+    else:
+        hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+        g_hot = x.new_empty(0, 0)
+        split = None
+    # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
+    # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
+    pat = build_pattern(h, bits, split, capacity, static=static)
+    del h, bits, split  # the dense gate values are in the CSR and g_hot now
+    if K:
         # The hot units' weight rows, gathered once and saved: [w_gate[hot]; w_up[hot]] serves the
         # backward's dx and dW_gate/dW_up GEMMs (one each), w_down[hot] both passes (12 MB at K 1024).
         w_gu = x.new_empty(2 * K, x.shape[1])
         torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
         torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
         w_down_hot = w_down.index_select(0, hot_idx)
-    else:
-        tw = twell_gate(x, w_gate)
-        hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
-        g_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
-        fires = None
-    hot = (hot_idx, g_hot, w_gu, w_down_hot)
-    args = (x, w_gate, w_up, w_down, tw, hot, fires)
-    if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
-        return _sparse_forward(*args, -capacity, ovf_capacity, static=True)
-    if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
-        out = _sparse_forward(*args, capacity, ovf_capacity)
-        if out is not None:
-            return out
-    return _sparse_forward(*args, None)
-
-
-def _sparse_forward(x, w_gate, w_up, w_down, tw, hot, fires, capacity, ovf_capacity=0, static=False):
-    """Everything after the gate: pattern, up/down products, L1 and statistics. With a capacity the
-    host issues it all without waiting and reads the true counts at the end (they are long computed by
-    then): None if the entries or the overflow rows did not fit (the caller redoes it exactly).
-    `static`: the capacity is used as is and never checked on the host (no sync at all, so a CUDA
-    graph can hold the op); the saved entry list keeps its unused slots (zero gates: no contribution)
-    and a call whose entries or overflow rows did not fit adds 1 to static_misses(). `ovf_capacity`:
-    the overflow rows such calls take (a fixed list padded with -1)."""
-    M, F = x.shape[0], w_gate.shape[0]
-    hot_idx, g_hot, w_gu, w_down_hot = hot
-    K = hot_idx.numel()
-    # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
-    # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
-    pat = build_pattern(
-        tw.counts, tw.cols, tw.vals, tw.slots, capacity, static=static, ovf_capacity=ovf_capacity, n_cols=F
-    )
-    if K:
-        # h = g * u in x's dtype (as a dense FFN rounds it), sum|h| and positives per row in one pass;
-        # row_active = the pattern's cold positives + the hot ones. u is saved for backward (32 MB at
-        # 16k x 1024: one GEMM less than recomputing it).
+        # h = g * u in x's dtype (as a dense FFN rounds it) and sum|h| per row in one pass. u is saved
+        # for backward (32 MB at 16k x 1024: one GEMM less than recomputing it).
         u_hot = x @ w_gu[K:].T
-        h_hot, l1_rows, row_active = hot_forward(g_hot, u_hot, active_init=pat.row_active)
+        h_hot, l1_rows = hot_forward(g_hot, u_hot)
         y_hot = h_hot @ w_down_hot
     else:
         y_hot = l1_rows = None
-        u_hot = x.new_empty(0, 0)  # outputs of a custom op may not alias each other
-        row_active = pat.row_active
-    # Overflow rows have empty segments: y is y_hot (or 0) there, their dense share added below. The row kernel
-    # also sums |h| per row on top of the hot units' share.
+        # outputs of a custom op may not alias each other
+        u_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
+    # The row kernel starts y from y_hot (rows without entries: y_hot or 0) and sums |h| per row on top
+    # of the hot units' share.
     up, y, l1_rows = row_ffn_forward(
         pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
     )
-    rows, cols, gate, ovf = pat.rows, pat.cols, pat.gate, pat.overflow_rows
+    rows, cols, gate = pat.rows, pat.cols, pat.gate
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
-    if ovf.numel():  # dense, on the cold units only when hot units take the rest; y there is y_hot or 0
-        idx, x_o = _overflow_rows(x, ovf)
-        gate_o, _, h_o = _dense_rows_forward(x_o, w_gate, w_up)
-        if K:
-            h_o[:, hot_idx] = 0
-        y.index_add_(0, idx, h_o @ w_down)
-        l1 = (l1_rows.sum() + h_o.float().abs().sum()) / M
     if static:
-        miss = (pat.totals[1] > capacity) | (pat.totals[0] > ovf_capacity)
-        static_misses(x.device).add_(miss)
+        static_misses(x.device).add_(pat.totals[1] > capacity)
     elif pat.pending is not None:
-        nnz, n_ovf = pat.pending.read()
-        if n_ovf > ovf_capacity or nnz > capacity:
+        nnz = pat.pending.read()
+        if nnz > capacity:
             return None
-        rows, cols, gate, up, ovf = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz], ovf[:n_ovf]
-    if fires is not None:
-        unit_fires = fires  # every positive of the batch, hot and cold (from the gate's bitmask)
-    else:
-        # index_add_, not bincount: CUDA bincount reads the max index on the host (a sync per call).
-        # (unused slots of a static list sit at column F, one past the last unit: dropped by the slice)
-        unit_fires = torch.zeros(F + static, dtype=torch.int32, device=x.device)
-        unit_fires.index_add_(0, cols, torch.ones_like(cols))
-        unit_fires = unit_fires[:F]
-    if ovf.numel() and not K:  # with hot units, fires come from the gate's bitmask (every positive)
-        unit_fires += (gate_o > 0).sum(dim=0, dtype=torch.int32)
+        rows, cols, gate, up = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz]
     return (
-        y, l1, row_active, unit_fires, pat.totals[0],  # the overflow-row count, on the device
-        pat.row_ptr, rows, cols, gate, up, ovf, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
+        y, l1, pat.row_active, fires, pat.totals[0],  # no row overflows the CSR: always 0, on the device
+        pat.row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 
 
 @_ffn_train_fwd.register_fake
-def _(x, w_gate, w_up, w_down, hot_units, capacity, ovf_capacity):
+def _(x, w_gate, w_up, w_down, hot_units, capacity):
     (M, D), F = x.shape, w_gate.shape[0]
-    ctx = torch.library.get_ctx()
-    nnz, n_ovf = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    nnz = torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
     K = hot_units
     return (
         x.new_empty(M, D), x.new_empty((), dtype=torch.float32), x.new_empty(M, **i32),
         x.new_empty(F, **i32), x.new_empty((), **i32), x.new_empty(M + 1, **i32),
         x.new_empty(nnz, **i32), x.new_empty(nnz, **i32), x.new_empty(nnz),
-        x.new_empty(nnz, dtype=torch.float32), x.new_empty(n_ovf, dtype=torch.int64),
-        x.new_empty(K, dtype=torch.int64), x.new_empty(M, K) if K else x.new_empty(0, 0),
-        x.new_empty(M, K) if K else x.new_empty(0, 0), x.new_empty(2 * K, D) if K else x.new_empty(0, 0),
-        x.new_empty(K, D) if K else x.new_empty(0, 0),
+        x.new_empty(nnz, dtype=torch.float32), x.new_empty(K, dtype=torch.int64),
+        x.new_empty(M, K) if K else x.new_empty(0, 0), x.new_empty(M, K) if K else x.new_empty(0, 0),
+        x.new_empty(2 * K, D) if K else x.new_empty(0, 0), x.new_empty(K, D) if K else x.new_empty(0, 0),
     )  # fmt: skip
 
 
 @torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
 def _ffn_train_bwd(
     grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-    row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, overflow_rows: Tensor,
-    hot_idx: Tensor, g_hot: Tensor, u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
+    row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, hot_idx: Tensor, g_hot: Tensor,
+    u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
@@ -283,11 +243,6 @@ def _ffn_train_bwd(
     else:
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
         segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
-    # Overflow rows (dense, cold units only with hot units on) before the hot part: index_copy_
-    # replaces their dx rows, the hot part then adds to every row.
-    _overflow_backward(
-        dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, hot_idx, dx, dw_gate, dw_up, dw_down
-    )
     if hot_idx.numel():
         _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down
@@ -303,36 +258,15 @@ def _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, 
     scatter_hot_rows(hot_idx, d_gu.T @ x, h_hot.T @ dy, dw_gate, dw_up, dw_down)
 
 
-def _overflow_backward(
-    dy, l1_scale, x, w_gate, w_up, w_down, overflow_rows, hot_idx, dx, dw_gate, dw_up, dw_down
-):
-    """Rows on the dense overflow path: recompute their g and u, then their gradient shares (dense),
-    leaving the hot units (hot_idx) to _hot_backward."""
-    if overflow_rows.numel():
-        idx, x_o = _overflow_rows(x, overflow_rows)  # -1 slots of a fixed-size list: zero rows, no share
-        dy_o = dy[idx]
-        gate_o, up_o, h_o = _dense_rows_forward(x_o, w_gate, w_up)
-        if hot_idx.numel():
-            gate_o[:, hot_idx] = 0
-            h_o[:, hot_idx] = 0
-        dh_o = (dy_o @ w_down.T).float() + l1_scale * torch.sign(h_o.float())
-        d_gate_o = (dh_o * up_o.float() * (gate_o > 0)).to(x.dtype)
-        d_up_o = (dh_o * gate_o.float()).to(x.dtype)
-        dx.index_add_(0, idx, d_gate_o @ w_gate + d_up_o @ w_up)  # row_dx left 0 there (empty rows)
-        dw_gate.addmm_(d_gate_o.T, x_o)
-        dw_up.addmm_(d_up_o.T, x_o)
-        dw_down.addmm_(h_o.T, dy_o)
-
-
 @_ffn_train_bwd.register_fake
-def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, overflow_rows, *hot):
+def _(grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, *hot):
     return x.new_empty(x.shape), *(w.new_empty(w.shape) for w in (w_gate, w_up, w_down))
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4], *output[5:])
     ctx.mark_non_differentiable(*output[2:])
-    # No zero gradients for the 14 outputs nobody differentiates (statistics and saved state): autograd
+    # No zero gradients for the 13 outputs nobody differentiates (statistics and saved state): autograd
     # would otherwise allocate and fill each one per backward (g_hot and u_hot: 32 MB each at 16k x
     # 1024), costing a launch and an allocation apiece on a host-bound step. _backward takes None.
     ctx.set_materialize_grads(False)
@@ -345,7 +279,7 @@ def _backward(ctx, grad_y, grad_l1, *_unused):
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None, None)
+    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -373,14 +307,14 @@ def twell_ffn(
     # Sized from this layer's last call (no host sync, see _sparse_forward); a torch.compile'd graph
     # takes the exact path (its trace must not depend on history).
     track = not torch.compiler.is_compiling()
-    capacity = ovf_capacity = 0
+    capacity = 0
     if track:
         capturing = _capturing(x)
         if not capturing and x.device not in _misses:  # made outside any capture, for a later one
             static_misses(x.device)
         mode = "static" if capturing else _settings["sizes"]
         history = _capacities.get(layer)
-        capacity, ovf_capacity = history.get((M, K), (0, 0)) if history and mode != "exact" else (0, 0)
+        capacity = history.get((M, K), 0) if history and mode != "exact" else 0
         if mode == "static":
             if not capacity and capturing:
                 raise RuntimeError(
@@ -390,8 +324,8 @@ def twell_ffn(
                 )
             capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
     y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down, K, capacity, ovf_capacity
+        x, w_gate, w_up, w_down, K, capacity
     )
-    if track and capacity >= 0:  # next call: this one's counts plus a margin (static calls keep theirs)
-        _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel(), saved[5].numel())
+    if track and capacity >= 0:  # next call: this one's count plus a margin (static calls keep theirs)
+        _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel())
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

@@ -1,21 +1,24 @@
-"""The training format: the gate's TwELL tiles compacted into one exact CSR of the activation pattern.
+"""The training format: the gate's positives as one exact CSR, built straight from the gate GEMM's bitmask.
 
-TwELL (kernels/gate.py) holds, per (row, column tile), the true count and up to `slots` entries.
-For training we want each row's entries contiguous (row-parallel products) and a flat entry list
-(entry-parallel products), so the tiles are compacted into a CSR: row_ptr [M+1], and per entry its
-row, column and gate value. Exact by construction: a row with any tile holding more positive gate
-values than the slots (an overflow tile, whose extra entries TwELL did not keep) is left out of the
-CSR entirely and listed in `overflow_rows`; the training op computes those rows densely. Nothing
-is dropped and nothing has a capacity: the CSR is sized from the true counts.
+The gate GEMM (kernels/gate.py, relu_gate_bits) writes h = relu(x w_gate^T) densely plus one int32
+word of positive bits per (row, 32 columns). Two small kernels turn that into a CSR of the cold
+positives (those not among the hot units, which the op computes densely): a row scan counts each
+row's positives from the words (row_ptr, row_active, the batch total), then the compaction walks the
+set bits only (a positive's slot = its row's start + the popcounts of the row's earlier words + its
+rank in its word) and gathers its gate value from h; hot positives go to g_hot [M, K] instead. For
+training we want each row's entries contiguous (row-parallel products) and a flat entry list
+(entry-parallel products); both come from this one layout. A row holds as many entries as it has
+positives, up to d_ff, so nothing overflows and nothing is dropped: unlike TwELL's fixed slots there
+is no overflow path in training at all.
 
-Sizes. Exact (`capacity=None`): one host sync reads the entry and overflow-row counts and the CSR
-is sized from them. With a `capacity` (the training op's default after its first call on a layer:
-the previous call's count plus a margin) nothing waits: the CSR is sized `capacity`, row_ptr is
-clamped to it so no kernel reads or writes past it, and the totals travel to host memory behind
-the kernels (`pending`). The caller reads them once it has issued its work and redoes the call
-exactly if the entries or the overflow rows (a fixed slot list, `ovf_capacity`) did not fit (a miss
-costs one more pass; a wrong result is never returned). The host thus issues the layer while the gate GEMM runs instead of
-waiting for it: the step at 16k tokens is host-bound on an H200 (kernels/NOTES_TRAIN.md).
+Sizes. Exact (`capacity=None`): one host sync reads the entry count and the CSR is sized from it.
+With a `capacity` (the training op's default after its first call on a layer: the previous call's
+count plus a margin) nothing waits: the CSR is sized `capacity`, row_ptr is clamped to it so no
+kernel reads or writes past it, and the count travels to host memory behind the kernels
+(`pending`). The caller reads it once it has issued its work and redoes the call exactly if the
+entries did not fit (a miss costs one more pass; a wrong result is never returned). The host thus
+issues the layer while the gate GEMM runs instead of waiting for it: the step at 16k tokens is
+host-bound on an H200 (kernels/NOTES_TRAIN.md).
 """
 
 from __future__ import annotations
@@ -26,162 +29,204 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import interpreting, next_pow2
+
 
 class PendingTotals:
-    """(entries, overflow rows) of a pattern built with a capacity: copied device -> pinned host memory
-    behind the kernels that computed them; read() waits for that copy only (not for later work)."""
+    """The entry count of a pattern built with a capacity: copied device -> pinned host memory behind
+    the kernels that computed it; read() waits for that copy only (not for later work)."""
 
-    # One pinned pair and one event per device, created once: a pattern is read before the next one is
+    # One pinned word and one event per device, created once: a pattern is read before the next one is
     # built (the op reads it within its forward), so reuse is safe and costs no allocation per call.
     _host: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
-    def __init__(self, totals: torch.Tensor):
+    def __init__(self, nnz: torch.Tensor):
         self._event = None
-        if totals.is_cuda:
-            if totals.device not in self._host:
-                pinned = torch.empty(2, dtype=torch.int32, pin_memory=True)
-                self._host[totals.device] = (pinned, torch.cuda.Event())
-            buf, self._event = self._host[totals.device]
-            buf.copy_(totals, non_blocking=True)
+        if nnz.is_cuda:
+            if nnz.device not in self._host:
+                pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                self._host[nnz.device] = (pinned, torch.cuda.Event())
+            buf, self._event = self._host[nnz.device]
+            buf.copy_(nnz, non_blocking=True)
             self._event.record()
-            totals = buf
-        self._totals = totals
+            nnz = buf
+        self._nnz = nnz
 
-    def read(self) -> tuple[int, int]:
+    def read(self) -> int:
         if self._event is not None:
             self._event.synchronize()
-        n_ovf, nnz = self._totals.tolist()
-        return nnz, n_ovf
+        return int(self._nnz[0])
 
 
 class TrainPattern(NamedTuple):
-    """The activation pattern of h = relu(x w_gate^T) * (x w_up^T), in CSR form."""
+    """The cold positives of relu(x w_gate^T), in CSR form (row-major, columns ascending per row)."""
 
-    row_ptr: torch.Tensor  # int32 [M + 1]; overflow rows have empty segments
-    rows: torch.Tensor  # int32 [nnz]: row of each entry (row-major order)
+    row_ptr: torch.Tensor  # int32 [M + 1]
+    rows: torch.Tensor  # int32 [nnz]: row of each entry
     cols: torch.Tensor  # int32 [nnz]: column (hidden unit) of each entry
-    gate: torch.Tensor  # [nnz] dtype of x: relu(x w_gate^T) at the entry, > 0
-    overflow_rows: torch.Tensor  # int64 [n_ovf]: rows computed densely (a TwELL tile overflowed)
-    row_active: torch.Tensor  # int32 [M]: positive gate values per row (overflow rows included)
-    totals: torch.Tensor  # int32 [2] on the device: (overflow rows, entries)
-    # Built with a capacity: the four entry arrays hold `capacity` slots (the first nnz valid once
-    # pending.read() shows nnz <= capacity), overflow_rows `ovf_capacity` (-1 padded); read() gives
-    # the true counts (None when static: nothing is read back).
+    gate: torch.Tensor  # [nnz] dtype of h: relu(x w_gate^T) at the entry, > 0
+    row_active: torch.Tensor  # int32 [M]: positive gate values per row, hot units included
+    totals: torch.Tensor  # int32 [2] on the device: (overflow rows: always 0 in this format, entries)
+    # Built with a capacity: the entry arrays hold `capacity` slots (the first nnz valid once
+    # pending.read() shows nnz <= capacity); None when exact or static (nothing is read back).
     pending: PendingTotals | None = None
 
 
 @triton.jit
-def _twell_to_csr_kernel(
-    counts_ptr, tw_cols_ptr, tw_vals_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, T,
-    SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_t = offs_t < T
-    counts = tl.load(counts_ptr + row * T + offs_t, mask=mask_t, other=0)
-    # An overflow row is left to the dense path. Broadcast before comparing: a scalar bool combined
-    # with a block mask is not a bool mask under newer Triton interpreters.
-    fits = (tl.zeros([BLOCK_T], dtype=tl.int32) + tl.max(counts, axis=0)) <= SLOTS
-    tile_start = tl.cumsum(counts, axis=0) - counts  # exclusive prefix: where each tile's run begins
-    base = tl.load(row_ptr_ptr + row)
-    end = tl.load(row_ptr_ptr + row + 1)  # clamped to the capacity when one is given: never write past it
-    keep = mask_t[:, None] & (offs_s[None, :] < counts[:, None]) & fits[:, None]
-    src = (row * T + offs_t[:, None]).to(tl.int64) * SLOTS + offs_s[None, :]
-    dst = base + tile_start[:, None] + offs_s[None, :]
-    keep = keep & (dst < end)
-    col = tl.load(tw_cols_ptr + src, mask=keep, other=0)
-    val = tl.load(tw_vals_ptr + src, mask=keep, other=0.0)
-    tl.store(cols_ptr + dst, col.to(tl.int32), mask=keep)
-    tl.store(vals_ptr + dst, val, mask=keep)
-    tl.store(rows_ptr + dst, tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int32) + row, mask=keep)
+def _popcount(v):
+    """Population count of uint32 lanes (SWAR; runs under the interpreter too)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
-def _row_scan_kernel(
-    counts_ptr, row_active_ptr, row_ptr_ptr, ovf_ptr, totals_ptr, M, T,
-    SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+def _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT: tl.constexpr, ROWS: tl.constexpr,
+                W_PAD: tl.constexpr):  # fmt: skip
+    """[ROWS, W_PAD] words of bits (uint32) split into (cold, hot) positives; hot is 0 without HOT."""
+    ws = tl.arange(0, W_PAD)
+    ok = (rows < M)[:, None] & (ws < W)[None, :]
+    bits = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok, other=0)
+    bits = bits.to(tl.uint32, bitcast=True)
+    if HOT:
+        hot = bits & tl.load(hot_bits_ptr + ws, mask=ws < W, other=0).to(tl.uint32, bitcast=True)[None, :]
+    else:
+        hot = tl.zeros([ROWS, W_PAD], dtype=tl.uint32)
+    return bits ^ hot, hot
+
+
+@triton.jit
+def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, totals_ptr, M, W,
+                          HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr):  # fmt: skip
+    """Per row: all positives (row_active) and cold ones (the CSR length, into row_ptr[1 + row]); the
+    batch's entry total by one integer atomic per program (exact, order-free)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < M
+    cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
+    n_cold = tl.sum(_popcount(cold), axis=1)
+    tl.store(row_active_ptr + rows, n_cold + tl.sum(_popcount(hot), axis=1), mask=ok)
+    tl.store(row_ptr_ptr + 1 + rows, n_cold, mask=ok)
+    tl.store(row_ptr_ptr + rows, tl.zeros([ROWS], dtype=tl.int32), mask=rows == 0)
+    tl.atomic_add(totals_ptr + 1, tl.sum(n_cold, axis=0))
+
+
+@triton.jit
+def _compact_csr_kernel(
+    h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
+    K_HOT, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
 ):  # fmt: skip
-    """Per row: positives (row_active), overflow flag (a tile holds more than SLOTS) and CSR length
-    (0 for overflow rows, into row_ptr[1 + row]); the batch totals (overflow rows, entries) by integer
-    atomics (exact, order-free). One launch instead of ~10 torch ops."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok_r = rows < M
-    ts = tl.arange(0, BLOCK_T)
-    ok = ok_r[:, None] & (ts[None, :] < T)
-    c = tl.load(counts_ptr + rows[:, None].to(tl.int64) * T + ts[None, :], mask=ok, other=0)
-    active = tl.sum(c, axis=1)
-    over = tl.max(c, axis=1) > SLOTS
-    nnz = tl.where(over, 0, active)
-    tl.store(row_active_ptr + rows, active, mask=ok_r)
-    tl.store(row_ptr_ptr + 1 + rows, nnz, mask=ok_r)
-    tl.store(ovf_ptr + rows, over.to(tl.int8), mask=ok_r)
-    tl.store(row_ptr_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.int32), mask=rows == 0)
-    tl.atomic_add(totals_ptr, tl.sum(over.to(tl.int32), axis=0))
-    tl.atomic_add(totals_ptr + 1, tl.sum(nnz, axis=0))
+    """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
+    word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
+    max-popcount-per-word times (a few at 0.5% density, 32 on a dense row: slower, still exact);
+    h is read as a 2-byte gather per positive. Slots at or past the row's (clamped) end are not written."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < M
+    W = F // 32
+    cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
+    pc = _popcount(cold)
+    start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
+    end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)
+    slot = start[:, None] + tl.cumsum(pc, axis=1) - pc  # the row's positives in earlier words
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * F
+    col0 = tl.arange(0, W_PAD)[None, :] * 32
+    row_ids = tl.zeros([ROWS, W_PAD], dtype=tl.int32) + rows[:, None]
+    if DYNAMIC_LOOPS:
+        for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
+            cold, slot = _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr)
+    else:  # interpreter: constexpr trip count
+        for _ in range(0, 32):
+            cold, slot = _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr)
+    if HOT:  # hot positives to their g_hot column (g_hot zero-filled by the caller)
+        g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
+        if DYNAMIC_LOOPS:
+            for _ in range(0, tl.max(tl.max(_popcount(hot), axis=1), axis=0)):
+                hot = _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+        else:
+            for _ in range(0, 32):
+                hot = _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+
+
+@triton.jit
+def _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr):
+    """Write the lowest positive of every word as entry `slot` (if before the row's end); returns the
+    words without it and the next slots."""
+    lsb = cold ^ (cold & (cold - 1))
+    col = col0 + _popcount(lsb - 1)
+    keep = (cold != 0) & (slot < end[:, None])
+    v = tl.load(h_rows + col, mask=keep, other=0.0)
+    tl.store(cols_ptr + slot, col, mask=keep)
+    tl.store(vals_ptr + slot, v, mask=keep)
+    tl.store(rows_ptr + slot, row_ids, mask=keep)
+    return cold ^ lsb, slot + 1
+
+
+@triton.jit
+def _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows):
+    """Copy the lowest hot positive of every word to its g_hot column; returns the words without it."""
+    lsb = hot ^ (hot & (hot - 1))
+    col = col0 + _popcount(lsb - 1)
+    keep = hot != 0
+    v = tl.load(h_rows + col, mask=keep, other=0.0)
+    hp = tl.load(hot_pos_ptr + col, mask=keep, other=0)
+    tl.store(g_rows + hp, v, mask=keep)
+    return hot ^ lsb
 
 
 def build_pattern(
-    counts: torch.Tensor,
-    tw_cols: torch.Tensor,
-    tw_vals: torch.Tensor,
-    slots: int,
+    h: torch.Tensor,
+    bits: torch.Tensor,
+    hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     capacity: int | None = None,
     static: bool = False,
-    ovf_capacity: int = 0,
-    n_cols: int = 0,
 ) -> TrainPattern:
-    """TwELL (counts [M, T], cols/vals [M, T, slots]) -> TrainPattern. Exact sizes with one host sync,
-    or `capacity` entry slots and no sync (the counts come back in `pending`; see the module doc).
-    `static` (with a capacity; CUDA graph capture): nothing is read back at all (pending None; the
-    caller checks the device totals), and the slots past the entries hold row 0, column `n_cols` (past
-    the last unit: a column sort puts them last, outside every column) and gate 0 (no contribution;
-    their rows are never read).
-    `ovf_capacity` (with a capacity): overflow_rows is a fixed list of that many slots, the overflow
-    rows in order and then -1."""
-    M, T = counts.shape
-    device = counts.device
-    counts = counts.to(torch.int32).contiguous()
+    """h [M, F] (relu'd gate values) and its positive bitmask bits int32 [M, F // 32] -> TrainPattern of
+    the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K] zero-filled;
+    kernels.gate.select_hot_units): hot positives are written to g_hot and left out of the CSR.
+    Exact sizes with one host sync, or `capacity` entry slots and no sync (the count comes back in
+    `pending`; see the module doc). `static` (with a capacity; CUDA graph capture): nothing is read
+    back at all (the caller checks the device totals), and the slots past the entries hold row 0,
+    column F (past the last unit: a column sort puts them last, outside every column) and gate 0 (no
+    contribution; their rows are never read)."""
+    M, F = h.shape
+    W = F // 32
+    device = h.device
     row_active = torch.empty(M, device=device, dtype=torch.int32)
     row_ptr = torch.empty(M + 1, device=device, dtype=torch.int32)
-    overflow = torch.empty(M, device=device, dtype=torch.int8)
     totals = torch.zeros(2, device=device, dtype=torch.int32)
+    hot_pos, hot_bits, g_hot = hot if hot is not None else (bits, bits, h)  # placeholders when not HOT
+    w_pad = next_pow2(W)
     if M:
-        block_t = triton.next_power_of_2(T)
-        block_r = max(1, min(128, 4096 // block_t))
-        _row_scan_kernel[(triton.cdiv(M, block_r),)](
-            counts, row_active, row_ptr, overflow, totals, M, T, SLOTS=slots, BLOCK_R=block_r, BLOCK_T=block_t,
+        rows_per = max(1, min(64, 4096 // w_pad))
+        _bits_row_scan_kernel[(triton.cdiv(M, rows_per),)](
+            bits, hot_bits, row_ptr, row_active, totals, M, W, HOT=hot is not None, ROWS=rows_per, W_PAD=w_pad,
         )  # fmt: skip
     else:
         row_ptr.zero_()
     row_ptr[1:].cumsum_(0)  # in place, int32
     if capacity is not None:
         row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
-        pending = None if static else PendingTotals(totals)
-        nnz, n_ovf = capacity, ovf_capacity  # a fixed overflow list (flagged rows first, then -1)
+        pending = None if static else PendingTotals(totals[1:])
+        nnz = capacity
     else:
         pending = None
-        n_ovf, nnz = totals.tolist()
+        nnz = int(totals[1])
 
     rows = torch.empty(nnz, device=device, dtype=torch.int32)
     if static:  # unused slots: past the last column, gate 0 (rows never read there)
-        cols = torch.full((nnz,), n_cols, device=device, dtype=torch.int32)
-        gate = torch.zeros(nnz, device=device, dtype=tw_vals.dtype)
+        cols = torch.full((nnz,), F, device=device, dtype=torch.int32)
+        gate = torch.zeros(nnz, device=device, dtype=h.dtype)
     else:
         cols = torch.empty(nnz, device=device, dtype=torch.int32)
-        gate = torch.empty(nnz, device=device, dtype=tw_vals.dtype)
-    if nnz:
-        _twell_to_csr_kernel[(M,)](
-            counts, tw_cols.contiguous(), tw_vals.contiguous(), row_ptr, rows, cols, gate, T,
-            SLOTS=slots, BLOCK_T=triton.next_power_of_2(T), BLOCK_S=triton.next_power_of_2(slots),
+        gate = torch.empty(nnz, device=device, dtype=h.dtype)
+    if M and (nnz or hot is not None):
+        rows_per = 16 if interpreting() else max(1, min(8, 2048 // w_pad))
+        _compact_csr_kernel[(triton.cdiv(M, rows_per),)](
+            h, bits, hot_bits, hot_pos, g_hot, row_ptr, rows, cols, gate, M, F,
+            g_hot.shape[1] if hot is not None else 1, HOT=hot is not None, ROWS=rows_per, W_PAD=w_pad,
+            DYNAMIC_LOOPS=not interpreting(), num_warps=4,
         )  # fmt: skip
-    if n_ovf:  # overflow rows first, in row order, without a second sync (a stable sort of M flags)
-        overflow_rows = torch.argsort(overflow, descending=True, stable=True)[:n_ovf]
-        if capacity is not None:
-            overflow_rows = torch.where(overflow[overflow_rows] > 0, overflow_rows, -1)
-    else:  # the common case: no sort, no launches
-        overflow_rows = torch.empty(0, dtype=torch.int64, device=device)
-    return TrainPattern(row_ptr, rows, cols, gate, overflow_rows, row_active, totals, pending)
+    return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending)
 
 
 @triton.jit
@@ -213,7 +258,9 @@ def to_csc(
     sums); column starts by binary search in the sorted columns (no host sync, no atomics); the five
     gathers in one kernel."""
     device, n = cols.device, cols.numel()
-    order = torch.argsort(cols, stable=True)
+    # 16-bit keys when the columns fit (d_ff < 32767): the radix sort makes two passes instead of four.
+    keys = cols.to(torch.int16) if n_cols < torch.iinfo(torch.int16).max else cols
+    order = torch.argsort(keys, stable=True)
     out_rows, out_cols = torch.empty(2, n, device=device, dtype=rows.dtype).unbind()  # one allocation each
     out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
     if n:

@@ -1,8 +1,7 @@
 """Elementwise passes of the training op's hot units ([M, K] dense blocks), one kernel each.
 
-Forward: h = g * u (x's dtype, as a dense FFN rounds it), plus per row sum|h| and the count of
-positive gates, which the op needs for its L1 term and row_active (three torch ops and two
-reductions otherwise, ~0.1 ms at 16384 x 1024 on an H200).
+Forward: h = g * u (x's dtype, as a dense FFN rounds it), plus per row sum|h|, which the op needs
+for its L1 term (torch ops and a reduction otherwise, ~0.1 ms at 16384 x 1024 on an H200).
 Backward: dh = (dy w_down^T)[hot] + l1_scale * sign(h); d_gate = dh * u on the ReLU mask, d_up = dh * g,
 h recomputed; all stored in x's dtype for the cuBLAS GEMMs that follow (six fp32 torch ops over
 [M, K] otherwise, ~0.27 ms at 16384 x 1024).
@@ -18,12 +17,9 @@ from ._common import interpreting, next_pow2
 
 
 @triton.jit
-def _hot_forward_kernel(
-    g_ptr, u_ptr, h_ptr, l1_ptr, act_ptr, act_init_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr
-):
+def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     acc_l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    acc_n = tl.zeros([BLOCK_K], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = ks < K
@@ -32,22 +28,17 @@ def _hot_forward_kernel(
         h = (g.to(tl.float32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * K + ks, h, mask=ok)
         acc_l1 += tl.abs(h.to(tl.float32))
-        acc_n += (g > 0).to(tl.int32)
     tl.store(l1_ptr + row, tl.sum(acc_l1, axis=0))
-    tl.store(act_ptr + row, tl.sum(acc_n, axis=0) + tl.load(act_init_ptr + row))
 
 
-def hot_forward(
-    g_hot: torch.Tensor, u_hot: torch.Tensor, active_init: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M], active_init + positives per row int32 [M])."""
+def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M])."""
     M, K = g_hot.shape
     h = torch.empty_like(g_hot)
     l1_rows = torch.empty(M, dtype=torch.float32, device=g_hot.device)
-    active = torch.empty(M, dtype=torch.int32, device=g_hot.device)
     block = min(1024, next_pow2(K)) if not interpreting() else min(64, next_pow2(K))
-    _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, active, active_init, K=K, BLOCK_K=block, num_warps=4)
-    return h, l1_rows, active
+    _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, K=K, BLOCK_K=block, num_warps=4)
+    return h, l1_rows
 
 
 @triton.jit

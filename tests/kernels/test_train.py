@@ -1,5 +1,5 @@
 """twell_ffn (the training op) against a float64 PyTorch reference: outputs, all four gradients, the L1
-gradient, overflow rows, saved memory, torch.compile, autocast, checkpointing and bad inputs.
+gradient, dense and silent rows, the CSR build, saved memory, torch.compile, autocast, checkpointing and bad inputs.
 
 CPU runs the Triton kernels under the interpreter (small shapes); the GPU tests run the paper's sizes.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gate import default_slots, default_tile_n
-from kernels.reference import relu_ffn, twell_gate_reference
+from kernels.reference import relu_ffn
 from kernels.synthetic import (
     make_rows_dense,
     make_rows_heavy_tailed,
@@ -90,37 +89,32 @@ def test_bf16_at_rounding_level():
     _check_against_reference(_inputs(53, 128, 256, torch.bfloat16, mean_active=8.0))
 
 
-def test_hard_patterns_dense_silent_and_full_tile_rows():
+def test_hard_patterns_dense_silent_and_heavy_tailed_rows():
     M, D, F = 40, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
-    make_rows_dense(x, [0, 17])  # every unit of every tile fires: overflow rows
+    make_rows_dense(x, [0, 17])  # every unit fires: rows as long as d_ff in the CSR
     make_rows_silent(x, [1, 2, 39])  # nothing fires
     make_rows_heavy_tailed(x, list(range(20, 30)), seed=_fresh_seed())
     out = _check_against_reference([x, w_gate, w_up, w_down])
-    assert out.row_active[[1, 2, 39]].eq(0).all()
-    _, counts = twell_gate_reference(x, w_gate, default_tile_n(M, F))
-    expected_overflow = int((counts > default_slots(default_tile_n(M, F))).any(dim=1).sum())
-    assert expected_overflow >= 2 and int(out.overflow_rows) == expected_overflow
+    assert out.row_active[[1, 2, 39]].eq(0).all() and out.row_active[[0, 17]].gt(F // 4).all()
+    assert int(out.overflow_rows) == 0  # the training CSR holds every positive: nothing overflows
 
 
-def test_every_unit_of_a_tile_firing_on_every_row():
+def test_every_unit_firing_on_every_row():
     M, D, F = 19, 64, 192
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
-    tile_n = default_tile_n(M, F)
-    make_units_always_active(w_gate, list(range(tile_n, 2 * tile_n)))
+    make_units_always_active(w_gate, list(range(F)))
     out = _check_against_reference([x, w_gate, w_up, w_down])
-    assert int(out.overflow_rows) == M  # a full tile exceeds the slots on every row, all rows exact
+    assert out.row_active.eq(F).all() and int(out.overflow_rows) == 0
 
 
-def test_one_unit_per_tile_fits_without_overflow():
-    # Exactly at the slot limit: a full TwELL tile (count == slots) is not an overflow.
+def test_some_units_firing_on_every_row():
     M, D, F = 9, 64, 128
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32)
-    tile_n, slots = default_tile_n(M, F), default_slots(default_tile_n(M, F))
     make_rows_silent(x, list(range(M)))
-    make_units_always_active(w_gate, list(range(slots)) + list(range(tile_n, tile_n + 3)))
+    make_units_always_active(w_gate, list(range(32)) + list(range(64, 67)))  # a whole word, then 3
     out = _check_against_reference([x, w_gate, w_up, w_down])
-    assert int(out.overflow_rows) == 0 and out.row_active.eq(slots + 3).all()
+    assert out.row_active.eq(35).all()
 
 
 def test_l1_gradient_alone_and_y_alone():
@@ -146,7 +140,7 @@ def test_l1_gradient_alone_and_y_alone():
 @pytest.mark.parametrize("variant", BACKWARD_VARIANTS + ("auto",))
 def test_backward_variants_agree_and_are_deterministic(variant):
     inputs = _inputs(31, 64, 256, torch.float32)
-    make_rows_dense(inputs[0], [4])  # an overflow row too
+    make_rows_dense(inputs[0], [4])  # a dense row too
     grad_y = torch.randn(31, 64, device=DEVICE)
     try:
         set_backward_variant(variant)
@@ -236,9 +230,9 @@ def test_compiles_without_graph_breaks():
 def test_custom_ops_pass_opcheck():
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
     test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    # capacity 0: exact sizes; 8: far too few entry slots (the op redoes the call exactly); 4096: fits
-    # (hot units, capacity, overflow slots): a negative capacity is static (fixed, never read back)
-    for args in ((0, 0, 0), (16, 0, 0), (0, 8, 0), (16, 4096, 4), (0, -4096, 4)):
+    # (hot units, capacity): capacity 0: exact sizes; 8: far too few entry slots (the op redoes the call
+    # exactly); 4096: fits; a negative capacity is static (fixed, never read back)
+    for args in ((0, 0), (16, 0), (0, 8), (16, 4096), (0, -4096)):
         torch.library.opcheck(torch.ops.twell.ffn_train_fwd.default, (*inputs, *args), test_utils=test_utils)
 
 
@@ -299,29 +293,66 @@ def test_work_list_kernel_matches_the_torch_build(monkeypatch):
         assert split[:3].tolist() == [2, 4, 7] and int(split[max_split]) == 3
 
 
-def test_build_pattern_matches_a_torch_build_over_many_programs():
-    """The row scan (row_active, overflow flags, row_ptr, totals by atomics over
-    many programs) and the CSR against the same quantities built with torch ops from TwELL tiles."""
+def _random_gate(M, F, gen, density=0.05):
+    """h (fp32 [M, F], zeros where not positive) with a few dense and silent rows, and its bitmask."""
+    from kernels.gate import pack_positive_bits
+
+    h = torch.rand(M, F, generator=gen) + 0.5
+    keep = torch.rand(M, F, generator=gen) < density
+    keep[torch.randperm(M, generator=gen)[:3]] = True  # dense rows: all F positives
+    keep[torch.randperm(M, generator=gen)[:3]] = False  # silent rows
+    h = h * keep
+    return h, pack_positive_bits(h)
+
+
+def _torch_pattern(h, hot_idx=None):
+    """(row_ptr, rows, cols, gate, row_active, g_hot) of h's positives built with torch ops."""
+    cold = h.clone()
+    g_hot = None
+    if hot_idx is not None:
+        g_hot = h[:, hot_idx]
+        cold[:, hot_idx] = 0
+    rows, cols = cold.nonzero(as_tuple=True)  # row-major, columns ascending
+    row_ptr = torch.zeros(h.shape[0] + 1, dtype=torch.int64)
+    row_ptr[1:] = (cold > 0).sum(1).cumsum(0)
+    return row_ptr, rows, cols, cold[rows, cols], (h > 0).sum(1), g_hot
+
+
+@pytest.mark.parametrize("hot", [0, 37])
+def test_build_pattern_matches_a_torch_build_over_many_programs(hot):
+    """The row scan (row_active, row_ptr, the entry total by atomics over many programs), the CSR and
+    the hot split against the same quantities built with torch ops, dense and silent rows included."""
+    from kernels.gate import pack_positive_bits, select_hot_units
     from kernels.train_format import build_pattern
 
-    M, T, slots = 1000, 5, 4
+    M, F = 300, 320
     gen = torch.Generator().manual_seed(_fresh_seed())
-    counts = torch.randint(0, slots + 1, (M, T), generator=gen, dtype=torch.int32)
-    counts[torch.randperm(M, generator=gen)[:7], 2] = slots + 3  # overflow rows (count > slots)
-    cols = torch.randint(0, 64 * T, (M, T, slots), generator=gen, dtype=torch.int16)
-    vals = torch.rand(M, T, slots, generator=gen) + 0.5
-    pat = build_pattern(*(t.to(DEVICE) for t in (counts, cols, vals)), slots)
-    overflow = (counts > slots).any(dim=1)
-    assert torch.equal(pat.row_active.cpu(), counts.sum(1, dtype=torch.int32))
-    assert pat.overflow_rows.cpu().tolist() == overflow.nonzero().flatten().tolist()
-    row_nnz = torch.where(overflow, 0, counts.sum(1))
-    assert pat.row_ptr.cpu().tolist() == [0] + row_nnz.cumsum(0).tolist()
-    keep = (torch.arange(slots) < counts[..., None]) & ~overflow[:, None, None]  # [M, T, slots]
-    assert torch.equal(pat.cols.cpu(), cols[keep].to(torch.int32))
-    assert torch.equal(pat.gate.cpu(), vals[keep])
-    assert torch.equal(
-        pat.rows.cpu(), torch.arange(M)[:, None, None].expand(M, T, slots)[keep].to(torch.int32)
-    )
+    h, bits = _random_gate(M, F, gen)
+    assert torch.equal(bits, pack_positive_bits(h))
+    split, hot_idx = None, None
+    if hot:
+        hot_idx, hot_pos, hot_bits = select_hot_units((h > 0).sum(0, dtype=torch.int32).to(DEVICE), hot)
+        g_hot = torch.full((M, hot), float("nan"), device=DEVICE).zero_()  # the caller zero-fills
+        split, hot_idx = (hot_pos, hot_bits, g_hot), hot_idx.cpu()
+    pat = build_pattern(h.to(DEVICE), bits.to(DEVICE), split)
+    row_ptr, rows, cols, gate, row_active, g_hot_ref = _torch_pattern(h, hot_idx)
+    assert pat.pending is None and pat.totals.cpu().tolist() == [0, rows.numel()]
+    assert pat.row_ptr.cpu().tolist() == row_ptr.tolist()
+    assert torch.equal(pat.row_active.cpu(), row_active.to(torch.int32))
+    assert torch.equal(pat.rows.cpu(), rows.to(torch.int32))
+    assert torch.equal(pat.cols.cpu(), cols.to(torch.int32))
+    assert torch.equal(pat.gate.cpu(), gate)
+    if hot:
+        assert torch.equal(split[2].cpu(), g_hot_ref)
+
+
+def test_pack_positive_bits_sets_bit_31():
+    from kernels.gate import pack_positive_bits
+
+    h = torch.zeros(2, 64)
+    h[0, 31] = h[0, 32] = h[1, 0] = 1.0
+    h[1, 63] = 2.0
+    assert pack_positive_bits(h).tolist() == [[-(2**31), 1], [1, -(2**31)]]
 
 
 def test_to_csc_groups_entries_by_column_stably():
@@ -379,9 +410,9 @@ def test_bad_inputs_raise_a_clear_error(change, message):
 
 @pytest.mark.parametrize("hot", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hot_units_match_reference_with_overflow_and_dense_rows(hot, dtype):
+def test_hot_units_match_reference_with_dense_and_silent_rows(hot, dtype):
     """Hot units (every product on dense GEMMs for the K most frequent units, the sparse kernels for
-    the rest): y, l1 and all four gradients, with overflow rows (dense on the cold units) and hot = F
+    the rest): y, l1 and all four gradients, with dense rows (long CSR rows of cold units) and hot = F
     (no sparse entry at all); unit_fires / row_active still count every positive."""
     M, D, F = 45, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, dtype, mean_active=10.0)
@@ -393,8 +424,9 @@ def test_hot_units_match_reference_with_overflow_and_dense_rows(hot, dtype):
         out = _check_against_reference([x, w_gate, w_up, w_down])
     finally:
         set_hot_units(None)
-    if dtype == torch.float32 and hot < F:
-        assert int(out.overflow_rows) >= 2
+    assert int(out.overflow_rows) == 0
+    if dtype == torch.float32:
+        assert out.row_active[[3, 30]].gt(F // 4).all() and int(out.row_active[7]) == 0
 
 
 def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
@@ -422,33 +454,21 @@ def test_hot_units_are_deterministic_and_off_by_default_on_cpu():
         twell_ffn(*inputs, hot_units=-2)
 
 
-def _inputs_without_overflow(M, D, F):
-    """fp32 paper-like inputs (fresh seed) whose TwELL tiles all fit their slots: no overflow row."""
-    tile_n = default_tile_n(M, F)
-    for _ in range(50):
-        inputs = _inputs(M, D, F, torch.float32, mean_active=8.0)
-        _, counts = twell_gate_reference(inputs[0], inputs[1], tile_n)
-        if not (counts > default_slots(tile_n)).any():
-            return inputs
-    raise AssertionError("no overflow-free draw in 50 seeds")
-
-
 def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_miss(monkeypatch):
     """The default sizing: a layer's first call is exact (one sync), later calls take the previous
-    counts plus a margin and check them only after issuing the forward. A fit gives bit-identical
-    results to exact sizes; too few slots or a new overflow row redo the call exactly (right answer,
-    overflow counted) and reset the estimate; once a layer has overflow rows, later calls keep a few
-    overflow slots and need no redo."""
+    count plus a margin and check it only after issuing the forward. A fit gives bit-identical results
+    to exact sizes; too few slots (or a batch with many more positives) redo the call exactly (right
+    answer) and reset the estimate."""
     import kernels.train as kt
 
     M, D, F = 37, 64, 256
-    x, w_gate, w_up, w_down = _inputs_without_overflow(M, D, F)
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
     weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]  # one "layer": fixed tensors
     grad_y = torch.randn(M, D, device=DEVICE)
-    seen = []  # the capacity of each _sparse_forward pass and whether it returned (None: a miss)
-    real = kt._sparse_forward
+    seen = []  # the capacity of each _forward pass and whether it returned (None: a miss)
+    real = kt._forward
     monkeypatch.setattr(
-        kt, "_sparse_forward", lambda *a, **k: seen.append((a[7], (out := real(*a, **k)) is not None)) or out
+        kt, "_forward", lambda *a, **k: seen.append((a[5], (out := real(*a, **k)) is not None)) or out
     )
 
     def step(x_in):
@@ -466,28 +486,26 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     first, first_grads = step(x)
     nnz = int(first.row_active.sum())
     assert seen == [(None, True)] and int(first.overflow_rows) == 0
-    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz) == (kt._with_margin(nnz)[0], 0)
+    assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
     second, second_grads = step(x)  # from the estimate, no sync until the forward is issued
-    assert seen[1] == (kt._with_margin(nnz)[0], True)
+    assert seen[1] == (kt._with_margin(nnz), True)
     assert torch.equal(second.y, first.y) and torch.equal(second.l1, first.l1)
     assert all(torch.equal(a, b) for a, b in zip(second_grads, first_grads))
 
-    kt._capacities[weights[0]][(M, 0)] = (8, 0)  # far fewer slots than entries: rows past them are cut
+    kt._capacities[weights[0]][(M, 0)] = 8  # far fewer slots than entries: rows past them are cut
     seen.clear()
     step(x)
     assert seen == [(8, False), (None, True)]  # the miss is redone exactly
     assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
 
     dense_x = x.clone()
-    make_rows_dense(dense_x, [4])  # a row overflowing its tiles after clean calls
+    make_rows_dense(dense_x, list(range(0, M, 2)))  # ~19 F entries: far past the estimate's margin
     seen.clear()
     out, _ = step(dense_x)
-    assert seen == [(kt._with_margin(nnz)[0], False), (None, True)] and int(out.overflow_rows) == 1
-    capacity, ovf_capacity = kt._capacities[weights[0]][(M, 0)]
-    assert ovf_capacity == 10  # room for the overflow row (twice as many + 8)
+    assert seen == [(kt._with_margin(nnz), False), (None, True)]
     seen.clear()
-    again, _ = step(dense_x)  # its dense row now has a slot: no redo (the other 9 slots add nothing)
-    assert seen == [(capacity, True)] and int(again.overflow_rows) == 1
+    again, _ = step(dense_x)  # the new estimate fits: no redo
+    assert seen == [(kt._with_margin(int(out.row_active.sum())), True)]
     assert torch.equal(again.unit_fires, out.unit_fires) and torch.equal(again.row_active, out.row_active)
     try:
         kt.set_sizes("exact")
@@ -505,12 +523,11 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
 def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, variant):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
     size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;
-    a call that does not fit (entries, or overflow rows past the layer's overflow slots) is counted in
-    static_misses; overflow rows that fit their slots are exact."""
+    a call whose entries do not fit is counted in static_misses; dense rows that fit are exact."""
     import kernels.train as kt
 
     M, D, F = 41, 64, 256
-    x, w_gate, w_up, w_down = _inputs_without_overflow(M, D, F)
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
     weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
     grad_y = torch.randn(M, D, device=DEVICE)
     misses = kt.static_misses(DEVICE)
@@ -536,17 +553,17 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, var
             assert _rel_err(a, b) <= 1e-5
         assert torch.equal(out.row_active, first.row_active) and torch.equal(out.unit_fires, first.unit_fires)
 
-        kt._capacities[weights[0]][(M, hot)] = (8, 0)  # too small: counted, not redone
+        kt._capacities[weights[0]][(M, hot)] = 8  # too small: counted, not redone
         step(x)
         assert int(misses) == 1
         kt._capacities[weights[0]][(M, hot)] = capacity
         dense_x = x.clone()
-        make_rows_dense(dense_x, [5, 30])  # overflow rows, and no overflow slot in the layer's history
+        make_rows_dense(dense_x, list(range(0, M, 2)))  # ~21 F entries: past the captured capacity
         step(dense_x)
         assert int(misses) == 2
-        kt._capacities[weights[0]][(M, hot)] = (capacity[0], 3)  # room for them: exact, not a miss
+        kt._capacities[weights[0]][(M, hot)] = capacity + M * F  # room for them: exact, not a miss
         out, grads = step(dense_x)
-        assert int(misses) == 2 and int(out.overflow_rows) == 2
+        assert int(misses) == 2 and int(out.overflow_rows) == 0
         ref, ref_grads = _run(relu_ffn, [dense_x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
         for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
             assert _rel_err(a, b) <= 1e-5
@@ -620,26 +637,27 @@ def test_training_step_replays_in_a_cuda_graph(hot):
 def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():
     from kernels.train_format import build_pattern
 
-    M, T, slots = 50, 3, 4
-    gen = torch.Generator().manual_seed(_fresh_seed())
-    counts = torch.randint(1, slots + 1, (M, T), generator=gen, dtype=torch.int32)
-    cols = torch.randint(0, 64 * T, (M, T, slots), generator=gen, dtype=torch.int16)
-    vals = torch.rand(M, T, slots, generator=gen) + 0.5
-    args = [t.to(DEVICE) for t in (counts, cols, vals)]
-    exact = build_pattern(*args, slots)
+    M, F = 50, 192
+    h, bits = _random_gate(M, F, torch.Generator().manual_seed(_fresh_seed()), density=0.2)
+    args = [t.to(DEVICE) for t in (h, bits)]
+    exact = build_pattern(*args)
     nnz = exact.rows.numel()
     cap = nnz // 2
-    part = build_pattern(*args, slots, capacity=cap)
-    assert part.pending.read() == (nnz, 0) and part.rows.numel() == cap
+    part = build_pattern(*args, capacity=cap)
+    assert part.pending.read() == nnz and part.rows.numel() == cap
     assert torch.equal(part.row_ptr.cpu(), exact.row_ptr.cpu().clamp(max=cap))
     fits = int((exact.row_ptr[1:] <= cap).sum())  # rows wholly below the capacity are exact
     end = int(exact.row_ptr[fits])
     for name in ("rows", "cols", "gate"):
         assert torch.equal(getattr(part, name)[:end].cpu(), getattr(exact, name)[:end].cpu())
-    roomy = build_pattern(*args, slots, capacity=nnz + 100)
-    assert roomy.pending.read() == (nnz, 0)
+    roomy = build_pattern(*args, capacity=nnz + 100)
+    assert roomy.pending.read() == nnz
     for name in ("rows", "cols", "gate"):
         assert torch.equal(getattr(roomy, name)[:nnz].cpu(), getattr(exact, name).cpu())
+    static = build_pattern(*args, capacity=nnz + 100, static=True)
+    assert static.pending is None and int(static.totals[1]) == nnz
+    assert static.cols[nnz:].eq(F).all() and static.gate[nnz:].eq(0).all()  # unused slots: inert
+    assert torch.equal(static.cols[:nnz].cpu(), exact.cols.cpu())
 
 
 def test_unknown_backward_variant_is_rejected():
@@ -660,7 +678,7 @@ def test_paper_sizes_on_gpu(F, hot):
         out = _check_against_reference(inputs)
     finally:
         set_hot_units(None)
-    assert int(out.overflow_rows) >= 2
+    assert int(out.overflow_rows) == 0 and out.row_active[[0, 5000]].gt(F // 4).all()
     # Saved state beyond the inputs: <= 25% of what a dense FFN saves (g, u, h: 3 x [M, F]).
     saved = []
     leaves = [t.clone().requires_grad_() for t in inputs]

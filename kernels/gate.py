@@ -48,7 +48,14 @@ EPILOGUES = {
 # compaction step inside a format tile; path: "fused" (compaction in the GEMM epilogue) or "two_kernel";
 # compact (two_kernel only): "bits" (GEMM writes a positive bitmask, the compaction visits set bits only)
 # or "scan" (round-4 kernel: full-width scan of h).
-_variant = {"loads": None, "persistent": None, "sub_n": None, "path": None, "compact": None}
+_variant = {
+    "loads": None,
+    "persistent": None,
+    "sub_n": None,
+    "path": None,
+    "compact": None,
+    "bits_gemm": None,
+}
 DEFAULT_SUB_N = 128  # 128x256 fp32 accumulators + the scan spilled (bench: 20.6 ms vs 4.4 ms dense)
 
 
@@ -579,11 +586,13 @@ def set_gate_variant(
     sub_n: int | None = None,
     path: str | None = None,
     compact: str | None = None,
+    bits_gemm: str | None = None,
 ) -> None:
     """Benchmark switch: loads "tma" | "ptr" | None (device default), persistent grid or not, sub_n
     (columns per compaction step inside a format tile: 16-256, None: DEFAULT_SUB_N), path "fused" |
     "two_kernel" | None (device default), compact "bits" | "scan" | None (bits) for the two-kernel path
-    and twell_gate_hot."""
+    and twell_gate_hot, bits_gemm "tiles" | "persistent" | None (the device default): the kernel of the
+    dense_bits GEMM (one program per output tile, or launch_relu_bits_persistent)."""
     if loads not in (None, "tma", "ptr"):
         raise ValueError(f"loads={loads!r} must be 'tma', 'ptr' or None")
     if sub_n not in (None, 16, 32, 64, 128, 256):
@@ -592,7 +601,11 @@ def set_gate_variant(
         raise ValueError(f"path={path!r} must be 'fused', 'two_kernel' or None")
     if compact not in (None, "bits", "scan"):
         raise ValueError(f"compact={compact!r} must be 'bits', 'scan' or None")
-    _variant.update(loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact)
+    if bits_gemm not in (None, "tiles", "persistent"):
+        raise ValueError(f"bits_gemm={bits_gemm!r} must be 'tiles', 'persistent' or None")
+    _variant.update(
+        loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact, bits_gemm=bits_gemm
+    )
 
 
 def _gate_variant(x: torch.Tensor) -> tuple[bool, bool]:
@@ -645,6 +658,9 @@ def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
         _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         return None
     bits = torch.empty((M, F // 32), dtype=torch.int32, device=h.device)
+    if _bits_gemm(x, w_gate, h) == "persistent":
+        launch_relu_bits_persistent(x, w_gate, h, bits)
+        return bits
     try:
         _launch_gemm(x, w_gate, bits, cols, vals, tile_n, slots, "dense_bits", h)
     except Exception as e:  # a compile failure on a new GPU/Triton: stay correct on the old path
@@ -655,6 +671,18 @@ def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
         _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         return None
     return bits
+
+
+def _bits_gemm(x, w_gate, h) -> str:
+    """Which kernel runs the dense_bits GEMM: the persistent one needs TMA (Hopper or later, 16-byte
+    aligned bases) and more rows than the decode regime's GEMV."""
+    choice = _variant["bits_gemm"] or "tiles"
+    if choice == "persistent":
+        tma = interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
+        aligned = all(t.data_ptr() % 16 == 0 for t in (x, w_gate, h))
+        if not (tma and aligned and x.shape[0] > 64):
+            return "tiles"
+    return choice
 
 
 def _compact_pass(
@@ -761,6 +789,158 @@ def twell_gate(
     counts, cols, vals = _format_buffers(x, F, tile_n, slots)
     launch_gate(x, w_gate, counts, cols, vals, tile_n, slots)
     return TwELLGate(counts, cols, vals, tile_n, slots)
+
+
+# ---- The dense_bits GEMM as a persistent kernel -------------------------------------------------
+# One program per SM walks output tiles in grouped order; the tile loop is flattened into the K loop
+# (tl.range(flatten=True)) so the software pipeliner prefetches the next tile's operands while this
+# tile's epilogue runs, and h leaves through TMA stores (asynchronous, from shared memory) in two
+# column halves. The epilogue is the dense_bits one: relu(x w^T) to h and one int32 word of positive
+# bits per (row, 32 columns). Measured against the tile-per-program kernel in scripts/bench_gate.py.
+
+
+@triton.jit
+def _grouped_tile(tile_id, n_m, n_n, GROUP_M: tl.constexpr):
+    per_group = GROUP_M * n_n
+    first_m = (tile_id // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile_id % per_group) % size, (tile_id % per_group) // size
+
+
+@triton.jit
+def _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_STORE: tl.constexpr):  # fmt: skip
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    pos = (acc > 0).to(tl.uint32)
+    lane = tl.arange(0, 32).to(tl.uint32)
+    words = tl.reduce(tl.reshape(pos, (BLOCK_M, BLOCK_N // 32, 32)) << lane[None, None, :], 2, _bit_or)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    wi = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+    tl.store(
+        bits_ptr + rows[:, None].to(tl.int64) * W + wi[None, :],
+        words.to(tl.int32, bitcast=True),
+        mask=(rows < M)[:, None] & (wi < W)[None, :],
+    )
+    h = tl.maximum(acc, 0.0).to(h_desc.dtype)
+    if SPLIT_STORE:  # two [BLOCK_M, BLOCK_N / 2] stores: half the staging buffer in shared memory
+        h0, h1 = tl.split(tl.permute(tl.reshape(h, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        h_desc.store([off_m, off_n], h0)
+        h_desc.store([off_m, off_n + BLOCK_N // 2], h1)
+    else:
+        h_desc.store([off_m, off_n], h)
+
+
+@triton.jit
+def _relu_bits_persistent_kernel(
+    x_desc, w_desc, h_desc, bits_ptr, M, F, M_BUCKET, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+    SPLIT_STORE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """h = relu(x @ w^T) [M, F] and its positive bitmask [M, F // 32]; x [M, D] and w [F, D] through
+    TMA descriptors (out-of-range rows, columns and K read as zeros; out-of-range stores are dropped).
+    M_BUCKET only keys autotuning. WHILE_LOOP: the interpreter's form of the tile loop."""
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(F, BLOCK_N)
+    n_tiles = n_m * n_n
+    W = F // 32
+    if WHILE_LOOP:
+        tile_id = tl.program_id(0)
+        while tile_id < n_tiles:
+            pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, D, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k])
+                b = w_desc.load([pid_n * BLOCK_N, k])
+                if DOT_FP32:  # the interpreter's 16-bit tl.dot is wrong; upcast there only
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)
+            tile_id += NUM_PROGS
+    else:
+        # The epilogue's tile id advances on its own counter (as in Triton's persistent matmul): with
+        # a flattened loop the pipeliner may run the next tile's loads before this epilogue.
+        tile_c = tl.program_id(0) - NUM_PROGS
+        for tile_id in tl.range(
+            tl.program_id(0), n_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPEC
+        ):
+            pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, D, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k])
+                b = w_desc.load([pid_n * BLOCK_N, k])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            tile_c += NUM_PROGS
+            pid_m, pid_n = _grouped_tile(tile_c, n_m, n_n, GROUP_M)
+            _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)
+
+
+def _persistent_set_blocks(nargs):
+    """Autotune pre-hook: the descriptors carry the config's block shapes."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["x_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["h_desc"].block_shape = [bm, bn // 2 if nargs["SPLIT_STORE"] else bn]
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split store, flatten, warp specialize)
+PERSISTENT_CONFIGS = [
+    (128, 256, 64, 8, 3, True, True, False),
+    (128, 256, 64, 8, 4, True, True, False),
+    (128, 128, 64, 8, 4, True, True, False),
+]
+_persistent_tuned: dict = {}
+
+
+def _persistent_config(cfg) -> triton.Config:
+    bm, bn, bk, warps, stages, split, flatten, ws = cfg
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_STORE=split, FLATTEN=flatten, WARP_SPEC=ws)
+    return triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_persistent_set_blocks)
+
+
+def launch_relu_bits_persistent(x, w, h, bits, config=None) -> None:
+    """relu(x @ w^T) into h [M, F] and its bitmask into bits [M, F // 32] with the persistent kernel;
+    `config`: one PERSISTENT_CONFIGS tuple (the benchmark's sweep) instead of autotuning."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, D = x.shape
+    F = w.shape[0]
+    if interpreting():
+        bm, bn, bk = 32, 64, 64
+        descs = (
+            TensorDescriptor.from_tensor(t, blk)
+            for t, blk in ((x, [bm, bk]), (w, [bn, bk]), (h, [bm, bn // 2]))
+        )
+        n_progs = 3  # fewer programs than tiles: every program walks several
+        _relu_bits_persistent_kernel[(n_progs,)](
+            *descs, bits, M, F, 0, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, NUM_PROGS=n_progs,
+            SPLIT_STORE=True, FLATTEN=False, WARP_SPEC=False, WHILE_LOOP=True, DOT_FP32=dot_in_fp32(x.dtype),
+            PRECISION=dot_precision(x.dtype),
+        )  # fmt: skip
+        return
+    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count
+    descs = [TensorDescriptor.from_tensor(t, [64, 64]) for t in (x, w, h)]  # blocks set per config
+    common = dict(
+        D=D, GROUP_M=8, NUM_PROGS=n_sm, WHILE_LOOP=False, DOT_FP32=False, PRECISION=dot_precision(x.dtype)
+    )
+
+    def grid(meta):
+        return (min(n_sm, cdiv(M, meta["BLOCK_M"]) * cdiv(F, meta["BLOCK_N"])),)
+
+    if config is not None:
+        cfg = _persistent_config(config)
+        cfg.pre_hook({**cfg.kwargs, "x_desc": descs[0], "w_desc": descs[1], "h_desc": descs[2]})
+        _relu_bits_persistent_kernel[grid({**cfg.kwargs})](
+            *descs, bits, M, F, 0, **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+        return
+    if "k" not in _persistent_tuned:
+        _persistent_tuned["k"] = triton.autotune(
+            configs=[_persistent_config(c) for c in PERSISTENT_CONFIGS], key=["M_BUCKET", "F", "D"]
+        )(_relu_bits_persistent_kernel)
+    _persistent_tuned["k"][grid](*descs, bits, M, F, min(next_pow2(M), 1 << 17), **common)
 
 
 def pack_positive_bits(h: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.gate import (  # noqa: E402
     _TUNED,
+    PERSISTENT_CONFIGS,
     _launch_gemm,
     _regime,
     _tuned_compact,
@@ -34,6 +35,7 @@ from kernels.gate import (  # noqa: E402
     launch_compact,
     launch_compact_bits,
     launch_gate,
+    launch_relu_bits_persistent,
     set_gate_variant,
     twell_gate_hot,
 )
@@ -149,6 +151,68 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
     return out
 
 
+# The persistent dense_bits sweep: the library's configs plus a few that may not compile or fit (warp
+# specialization, deeper pipelines, 256-row tiles, no flattening); each is checked against the
+# tile-per-program kernel's h and bitmask.
+SWEEP_CONFIGS = PERSISTENT_CONFIGS + [
+    (128, 256, 64, 8, 3, False, True, False),
+    (128, 256, 64, 8, 3, True, False, False),
+    (128, 256, 64, 8, 3, True, False, True),
+    (128, 128, 64, 8, 5, True, True, False),
+    (128, 128, 128, 8, 3, True, True, False),
+    (256, 128, 64, 8, 3, True, True, False),
+    (128, 256, 128, 8, 2, True, True, False),
+]
+
+
+def bench_bits_gemm(M, D, F, rep) -> list[dict]:
+    """The dense_bits GEMM (h = relu(x w^T) + positive bitmask): cuBLAS x @ w^T and relu for scale, the
+    tile-per-program kernel (autotuned) and the persistent kernel per config and autotuned."""
+    import triton
+
+    x, wg, _, _ = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
+    flop = 2.0 * M * D * F
+    tile_n = default_tile_n(M, F)
+    h_ref = torch.empty((M, F), dtype=x.dtype, device="cuda")
+    bits_ref = torch.empty((M, F // 32), dtype=torch.int32, device="cuda")
+    h = torch.empty_like(h_ref)
+    bits = torch.empty_like(bits_ref)
+    out = []
+
+    def row(name, fn, **extra):
+        try:
+            fn()
+            ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+        except Exception as e:  # a config that does not compile or fit here is a result, not a crash
+            print(f"{M:>7} {F:>5} {name:<44} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return
+        check = ""
+        if "persistent" in name:
+            diff = (h.float() - h_ref.float()).abs().max().item()
+            flips = int((bits ^ bits_ref).ne(0).sum())
+            extra.update(max_abs_diff=diff, words_differing=flips)
+            check = f"max|h-h_tiles| {diff:.1e}, bit words differing {flips}"
+        r = dict(tokens=M, d_model=D, d_ff=F, variant=name, ms=ms, tflops=flop / (ms * 1e9), **extra)
+        print(f"{M:>7} {F:>5} {name:<44} {ms:8.3f} ms {r['tflops']:7.1f} TF/s {check}", flush=True)
+        out.append(r)
+
+    row("cublas x@w.T", lambda: x @ wg.T)
+    row("cublas relu(x@w.T)", lambda: torch.relu(x @ wg.T))
+    row(
+        "tiles dense_bits",
+        lambda: _launch_gemm(x, wg, bits_ref, bits_ref, h_ref, tile_n, 32, "dense_bits", h_ref),
+    )
+    for cfg in SWEEP_CONFIGS:
+        name = "persistent {}x{}x{} w{} s{}{}{}{}".format(
+            *cfg[:5], " split" if cfg[5] else "", " flat" if cfg[6] else "", " ws" if cfg[7] else ""
+        )
+        h.fill_(float("nan"))
+        row(name, lambda c=cfg: launch_relu_bits_persistent(x, wg, h, bits, config=c), config=list(cfg))
+    h.fill_(float("nan"))
+    row("persistent autotuned", lambda: launch_relu_bits_persistent(x, wg, h, bits))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[131072, 16384])
@@ -156,6 +220,9 @@ def main(argv=None):
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--rep", type=int, default=40, help="ms of timing per measurement")
     p.add_argument("--quick", action="store_true", help="no counts / fused s128, hot 512 only, rep 25")
+    p.add_argument(
+        "--bits-gemm", action="store_true", help="only the dense_bits GEMM: tiles vs persistent configs"
+    )
     p.add_argument("--out", default="bench_gate.json")
     args = p.parse_args(argv)
     variants, hot_units = VARIANTS, (256, 512)
@@ -165,6 +232,9 @@ def main(argv=None):
         sys.exit("bench_gate.py needs a CUDA GPU")
     rows = []
     for M in args.tokens:
+        if args.bits_gemm:
+            rows += bench_bits_gemm(M, args.d_model, args.d_ff, args.rep)
+            continue
         rows += bench_shape(M, args.d_model, args.d_ff, args.rep, variants, hot_units)
         torch.cuda.empty_cache()
     write_results(args.out, rows)

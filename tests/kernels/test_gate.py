@@ -176,3 +176,31 @@ def test_count_fires_counts_every_set_bit(M, W, poisoned_empty):
     bits[0] = -1  # every bit of a row set (sign bit included)
     unpacked = (bits.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1
     assert torch.equal(count_fires(bits), unpacked.sum(0).view(-1).to(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "M,D,F,dtype",
+    [(100, 128, 320, torch.float32), (37, 64, 192, torch.bfloat16), (260, 192, 128, torch.float32)],
+)
+def test_persistent_relu_bits_gemm_matches_torch(M, D, F, dtype, poisoned_empty):
+    """The persistent dense_bits GEMM (several tiles per program, partial row and column tiles, TMA
+    stores) writes relu(x w^T) and exactly its positive bitmask, also through relu_gate_bits."""
+    from kernels.gate import launch_relu_bits_persistent, pack_positive_bits, relu_gate_bits
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, _, _ = paper_like_ffn_inputs(M, D, F, mean_active=F / 20, dtype=dtype, seed=seed)
+    make_rows_dense(x, [M // 3])
+    h = torch.full((M, F), float("nan"), dtype=dtype)
+    bits = torch.full((M, F // 32), 0x5A5A5A5A, dtype=torch.int32)
+    launch_relu_bits_persistent(x, wg, h, bits)
+    ref = torch.relu(x.double() @ wg.double().T)
+    torch.testing.assert_close(h.double(), ref, rtol=2e-2, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(bits, pack_positive_bits(h))
+    set_gate_variant(bits_gemm="persistent")
+    try:
+        h2, bits2 = relu_gate_bits(x, wg)
+    finally:
+        set_gate_variant()
+    assert torch.equal(h2, h) and torch.equal(bits2, bits)
+    with pytest.raises(ValueError, match="bits_gemm='fast' must be"):
+        set_gate_variant(bits_gemm="fast")

@@ -676,7 +676,7 @@ def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
 def _bits_gemm(x, w_gate, h) -> str:
     """Which kernel runs the dense_bits GEMM: the persistent one needs TMA (Hopper or later, 16-byte
     aligned bases) and more rows than the decode regime's GEMV."""
-    choice = _variant["bits_gemm"] or "tiles"
+    choice = _variant["bits_gemm"] or "persistent"  # measured faster on an H200 (PERSISTENT_CONFIGS)
     if choice == "persistent":
         tma = interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, w_gate, h))
@@ -885,11 +885,15 @@ def _persistent_set_blocks(nargs):
     nargs["h_desc"].block_shape = [bm, bn // 2 if nargs["SPLIT_STORE"] else bn]
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split store, flatten, warp specialize)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split store, flatten, warp specialize): the best three of
+# the bench_gate.py --bits-gemm sweep on an H200 (docs/results/bench_bits_gemm_round10.txt; 16384 x
+# 2048 x 5632: 0.551 / 0.530 / 0.533 ms against 0.599 for the tile-per-program kernel and 0.490 for
+# cuBLAS without any epilogue; 131072: 4.466 / 4.600 / 5.100 against 4.818 and 4.356). Four stages of
+# 128x256x64 do not fit in shared memory next to the store buffer; warp specialization gained nothing.
 PERSISTENT_CONFIGS = [
     (128, 256, 64, 8, 3, True, True, False),
-    (128, 256, 64, 8, 4, True, True, False),
-    (128, 128, 64, 8, 4, True, True, False),
+    (128, 256, 64, 8, 3, True, False, False),
+    (128, 128, 64, 8, 5, True, True, False),
 ]
 _persistent_tuned: dict = {}
 

@@ -114,12 +114,13 @@ def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, t
 @triton.jit
 def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
-    K_HOT, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
+    K_HOT, M_BUCKET, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
     word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
     max-popcount-per-word times (a few at 0.5% density, 32 on a dense row: slower, still exact);
-    h is read as a 2-byte gather per positive. Slots at or past the row's (clamped) end are not written."""
+    h is read as a 2-byte gather per positive. Slots at or past the row's (clamped) end are not written.
+    M_BUCKET only keys autotuning."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
@@ -173,6 +174,14 @@ def _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows):
     return hot ^ lsb
 
 
+# ROWS x W_PAD (256 at d_ff 5632) words per program; the work per word is ~15 ops per iteration. The
+# configs of the TwELL compaction this replaced (kernels/gate.py, _compact_bits_kernel).
+_tuned_compact_csr = triton.autotune(
+    configs=[triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))],
+    key=["M_BUCKET", "F", "HOT"],
+)(_compact_csr_kernel)
+
+
 def build_pattern(
     h: torch.Tensor,
     bits: torch.Tensor,
@@ -220,12 +229,18 @@ def build_pattern(
         cols = torch.empty(nnz, device=device, dtype=torch.int32)
         gate = torch.empty(nnz, device=device, dtype=h.dtype)
     if M and (nnz or hot is not None):
-        rows_per = 16 if interpreting() else max(1, min(8, 2048 // w_pad))
-        _compact_csr_kernel[(triton.cdiv(M, rows_per),)](
+        args = (
             h, bits, hot_bits, hot_pos, g_hot, row_ptr, rows, cols, gate, M, F,
-            g_hot.shape[1] if hot is not None else 1, HOT=hot is not None, ROWS=rows_per, W_PAD=w_pad,
-            DYNAMIC_LOOPS=not interpreting(), num_warps=4,
+            g_hot.shape[1] if hot is not None else 1, min(next_pow2(M), 1 << 17),
         )  # fmt: skip
+        if interpreting():
+            _compact_csr_kernel[(triton.cdiv(M, 16),)](
+                *args, HOT=hot is not None, W_PAD=w_pad, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
+            )
+        else:
+            _tuned_compact_csr[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
+                *args, HOT=hot is not None, W_PAD=w_pad, DYNAMIC_LOOPS=True
+            )
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending)
 
 

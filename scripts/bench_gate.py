@@ -155,10 +155,10 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
 # specialization, deeper pipelines, 256-row tiles, no flattening); each is checked against the
 # tile-per-program kernel's h and bitmask.
 SWEEP_CONFIGS = PERSISTENT_CONFIGS + [
+    (128, 256, 64, 8, 4, True, True, False),
+    (128, 128, 64, 8, 4, True, True, False),
     (128, 256, 64, 8, 3, False, True, False),
-    (128, 256, 64, 8, 3, True, False, False),
     (128, 256, 64, 8, 3, True, False, True),
-    (128, 128, 64, 8, 5, True, True, False),
     (128, 128, 128, 8, 3, True, True, False),
     (256, 128, 64, 8, 3, True, True, False),
     (128, 256, 128, 8, 2, True, True, False),

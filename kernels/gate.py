@@ -449,13 +449,7 @@ def _compact_bits_kernel(
         for it in range(0, 32):
             bits = _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS)
     if HOT:
-        g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
-        if DYNAMIC_LOOPS:
-            for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0)):
-                hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
-        else:
-            for _ in range(0, 32):
-                hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
 
 
 @triton.jit
@@ -469,6 +463,19 @@ def _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS
     tl.store(cols_ptr + base + it, col.to(cols_ptr.dtype.element_ty), mask=keep)
     tl.store(vals_ptr + base + it, v.to(vals_ptr.dtype.element_ty), mask=keep)
     return bits ^ lsb
+
+
+@triton.jit
+def _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS: tl.constexpr):
+    """Copy every hot positive (set bits of the words `hot`) from h to its g_hot column, one per word
+    and iteration (DYNAMIC_LOOPS: as many iterations as the fullest word needs; else 32)."""
+    g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
+    if DYNAMIC_LOOPS:
+        for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0)):
+            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+    else:  # interpreter: constexpr trip count
+        for _ in range(0, 32):
+            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
 
 
 @triton.jit

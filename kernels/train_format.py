@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
+from .gate import _popc32, _scatter_hot
 
 
 class PendingTotals:
@@ -73,15 +74,6 @@ class TrainPattern(NamedTuple):
 
 
 @triton.jit
-def _popcount(v):
-    """Population count of uint32 lanes (SWAR; runs under the interpreter too)."""
-    v = v - ((v >> 1) & 0x55555555)
-    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
-    v = (v + (v >> 4)) & 0x0F0F0F0F
-    return ((v * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
 def _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT: tl.constexpr, ROWS: tl.constexpr,
                 W_PAD: tl.constexpr):  # fmt: skip
     """[ROWS, W_PAD] words of bits (uint32) split into (cold, hot) positives; hot is 0 without HOT."""
@@ -104,8 +96,8 @@ def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, t
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
-    n_cold = tl.sum(_popcount(cold), axis=1)
-    tl.store(row_active_ptr + rows, n_cold + tl.sum(_popcount(hot), axis=1), mask=ok)
+    n_cold = tl.sum(_popc32(cold), axis=1)
+    tl.store(row_active_ptr + rows, n_cold + tl.sum(_popc32(hot), axis=1), mask=ok)
     tl.store(row_ptr_ptr + 1 + rows, n_cold, mask=ok)
     tl.store(row_ptr_ptr + rows, tl.zeros([ROWS], dtype=tl.int32), mask=rows == 0)
     tl.atomic_add(totals_ptr + 1, tl.sum(n_cold, axis=0))
@@ -125,7 +117,7 @@ def _compact_csr_kernel(
     ok = rows < M
     W = F // 32
     cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
-    pc = _popcount(cold)
+    pc = _popc32(cold)
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
     end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)
     slot = start[:, None] + tl.cumsum(pc, axis=1) - pc  # the row's positives in earlier words
@@ -139,13 +131,7 @@ def _compact_csr_kernel(
         for _ in range(0, 32):
             cold, slot = _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr)
     if HOT:  # hot positives to their g_hot column (g_hot zero-filled by the caller)
-        g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
-        if DYNAMIC_LOOPS:
-            for _ in range(0, tl.max(tl.max(_popcount(hot), axis=1), axis=0)):
-                hot = _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
-        else:
-            for _ in range(0, 32):
-                hot = _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
+        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
 
 
 @triton.jit
@@ -153,25 +139,13 @@ def _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, va
     """Write the lowest positive of every word as entry `slot` (if before the row's end); returns the
     words without it and the next slots."""
     lsb = cold ^ (cold & (cold - 1))
-    col = col0 + _popcount(lsb - 1)
+    col = col0 + _popc32(lsb - 1)
     keep = (cold != 0) & (slot < end[:, None])
     v = tl.load(h_rows + col, mask=keep, other=0.0)
     tl.store(cols_ptr + slot, col, mask=keep)
     tl.store(vals_ptr + slot, v, mask=keep)
     tl.store(rows_ptr + slot, row_ids, mask=keep)
     return cold ^ lsb, slot + 1
-
-
-@triton.jit
-def _emit_hot(hot, col0, h_rows, hot_pos_ptr, g_rows):
-    """Copy the lowest hot positive of every word to its g_hot column; returns the words without it."""
-    lsb = hot ^ (hot & (hot - 1))
-    col = col0 + _popcount(lsb - 1)
-    keep = hot != 0
-    v = tl.load(h_rows + col, mask=keep, other=0.0)
-    hp = tl.load(hot_pos_ptr + col, mask=keep, other=0)
-    tl.store(g_rows + hp, v, mask=keep)
-    return hot ^ lsb
 
 
 # ROWS x W_PAD (256 at d_ff 5632) words per program; the work per word is ~15 ops per iteration. The

@@ -65,9 +65,12 @@ def _check_against_reference(inputs, l1_coef=None, tol=1e-5):
         rounding = [
             _rel_err(a, b) for a, b in zip([dense.y, dense.l1, *dense_grads], [ref.y, ref.l1, *ref_grads])
         ]
-        # Floor 1e-2 (~2.5 bf16 ulps; the "rounding level"): the CPU interpreter truncates
-        # fp32 -> bf16 instead of rounding to nearest, a bias of ~half an ulp on every stored value.
-        bounds = [max(3 * r, 1e-2) for r in rounding]
+        # Floor 1e-2 (~2.5 bf16 ulps; the "rounding level"). The CPU interpreter truncates
+        # fp32 -> bf16 instead of rounding to nearest, a bias of ~half an ulp on every stored value, and
+        # y is stored twice with hot units (y_hot, then y): on rows where the hot and cold shares cancel
+        # (the dense rows of these tiny shapes) that reached 1.2e-2 in ~1 of 25 draws, hence 1.5e-2 there.
+        floor = 1.5e-2 if DEVICE == "cpu" else 1e-2
+        bounds = [max(3 * r, floor) for r in rounding]
         assert max(bounds) < 5e-2, f"dense {dtype} reference itself is far off: {rounding}"
         # A pre-activation within rounding of 0 may flip; anything more is a wrong pattern.
         assert (out.row_active - ref.row_active).abs().sum() <= max(2, M // 20)

@@ -258,21 +258,23 @@ def _twell_gate_kernel(
 
 
 @triton.jit
+def _grouped_tile(tile_id, n_m, n_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of output tile `tile_id` in grouped order: GROUP_M row blocks sweep all
+    n_n column tiles together, so the x rows of the group and the weight tiles both stay in L2."""
+    per_group = GROUP_M * n_n
+    first_m = (tile_id // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile_id % per_group) % size, (tile_id % per_group) // size
+
+
+@triton.jit
 def _gate_one_tile(
     tile_id, x_src, w_src, counts_ptr, cols_ptr, vals_ptr, dense_ptr, M, F, T, D: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, EPILOGUE: tl.constexpr,
     OFF32: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Grouped order: GROUP_M row blocks sweep all column tiles together, so the x rows of the group
-    # and the weight tiles both stay in L2.
-    n_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * T
-    group = tile_id // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % per_group) % group_size
-    tile = (tile_id % per_group) // group_size
+    pid_m, tile = _grouped_tile(tile_id, tl.cdiv(M, BLOCK_M), T, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if EPILOGUE == 0:
         # Compaction in SUB_N-column steps: a [BLOCK_M, SUB_N] accumulator leaves registers for the
@@ -399,6 +401,22 @@ def launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=Non
 
 
 @triton.jit
+def load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT: tl.constexpr, ROWS: tl.constexpr,
+                   W_PAD: tl.constexpr):  # fmt: skip
+    """[ROWS, W_PAD] words of the positive bitmask bits [M, W] (uint32, zeros past M and W) split into
+    (cold, hot) positives by the hot columns' word mask hot_bits [W]; hot is 0 without HOT."""
+    ws = tl.arange(0, W_PAD)
+    ok = (rows < M)[:, None] & (ws < W)[None, :]
+    bits = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok, other=0)
+    bits = bits.to(tl.uint32, bitcast=True)
+    if HOT:
+        hot = bits & tl.load(hot_bits_ptr + ws, mask=ws < W, other=0).to(tl.uint32, bitcast=True)[None, :]
+    else:
+        hot = tl.zeros([ROWS, W_PAD], dtype=tl.uint32)
+    return bits ^ hot, hot
+
+
+@triton.jit
 def _compact_bits_kernel(
     h_ptr, bits_ptr, counts_ptr, cols_ptr, vals_ptr, hot_pos_ptr, hot_bits_ptr, ghot_ptr, M, F, K_HOT,
     M_BUCKET, T: tl.constexpr, T_PAD: tl.constexpr, WPT: tl.constexpr, SLOTS: tl.constexpr,
@@ -420,14 +438,7 @@ def _compact_bits_kernel(
     row_ok = rows < M
     W = F // 32
     ws = tl.arange(0, W_PAD)
-    w_ok = ws < W
-    ok2 = row_ok[:, None] & w_ok[None, :]
-    bits = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok2, other=0)
-    bits = bits.to(tl.uint32, bitcast=True)
-    if HOT:
-        hb = tl.load(hot_bits_ptr + ws, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
-        hot = bits & hb[None, :]
-        bits = bits ^ hot
+    bits, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(bits)
     pc3 = tl.reshape(pc, (ROWS, T_PAD, WPT))
     counts = tl.sum(pc3, axis=2)
@@ -807,14 +818,6 @@ def twell_gate(
 
 
 @triton.jit
-def _grouped_tile(tile_id, n_m, n_n, GROUP_M: tl.constexpr):
-    per_group = GROUP_M * n_n
-    first_m = (tile_id // per_group) * GROUP_M
-    size = tl.minimum(n_m - first_m, GROUP_M)
-    return first_m + (tile_id % per_group) % size, (tile_id % per_group) // size
-
-
-@triton.jit
 def _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT_STORE: tl.constexpr):  # fmt: skip
     off_m = pid_m * BLOCK_M
@@ -856,14 +859,18 @@ def _relu_bits_persistent_kernel(
         tile_id = tl.program_id(0)
         while tile_id < n_tiles:
             pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, D, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k])
-                b = w_desc.load([pid_n * BLOCK_N, k])
-                if DOT_FP32:  # the interpreter's 16-bit tl.dot is wrong; upcast there only
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            acc = _gate_tile_tma(
+                x_desc,
+                w_desc,
+                pid_m * BLOCK_M,
+                pid_n * BLOCK_N,
+                D,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_FP32,
+                PRECISION,
+            )
             _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)
             tile_id += NUM_PROGS
     else:
@@ -874,11 +881,18 @@ def _relu_bits_persistent_kernel(
             tl.program_id(0), n_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPEC
         ):
             pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, D, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k])
-                b = w_desc.load([pid_n * BLOCK_N, k])
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            acc = _gate_tile_tma(
+                x_desc,
+                w_desc,
+                pid_m * BLOCK_M,
+                pid_n * BLOCK_N,
+                D,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_FP32,
+                PRECISION,
+            )
             tile_c += NUM_PROGS
             pid_m, pid_n = _grouped_tile(tile_c, n_m, n_n, GROUP_M)
             _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .gate import _popc32, _scatter_hot
+from .gate import _popc32, _scatter_hot, load_bit_words
 
 
 class PendingTotals:
@@ -74,28 +74,13 @@ class TrainPattern(NamedTuple):
 
 
 @triton.jit
-def _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT: tl.constexpr, ROWS: tl.constexpr,
-                W_PAD: tl.constexpr):  # fmt: skip
-    """[ROWS, W_PAD] words of bits (uint32) split into (cold, hot) positives; hot is 0 without HOT."""
-    ws = tl.arange(0, W_PAD)
-    ok = (rows < M)[:, None] & (ws < W)[None, :]
-    bits = tl.load(bits_ptr + rows[:, None].to(tl.int64) * W + ws[None, :], mask=ok, other=0)
-    bits = bits.to(tl.uint32, bitcast=True)
-    if HOT:
-        hot = bits & tl.load(hot_bits_ptr + ws, mask=ws < W, other=0).to(tl.uint32, bitcast=True)[None, :]
-    else:
-        hot = tl.zeros([ROWS, W_PAD], dtype=tl.uint32)
-    return bits ^ hot, hot
-
-
-@triton.jit
 def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, totals_ptr, M, W,
                           HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr):  # fmt: skip
     """Per row: all positives (row_active) and cold ones (the CSR length, into row_ptr[1 + row]); the
     batch's entry total by one integer atomic per program (exact, order-free)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
-    cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
+    cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     n_cold = tl.sum(_popc32(cold), axis=1)
     tl.store(row_active_ptr + rows, n_cold + tl.sum(_popc32(hot), axis=1), mask=ok)
     tl.store(row_ptr_ptr + 1 + rows, n_cold, mask=ok)
@@ -116,7 +101,7 @@ def _compact_csr_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
-    cold, hot = _load_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
+    cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(cold)
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
     end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)

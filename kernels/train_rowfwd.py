@@ -84,7 +84,7 @@ def row_ffn_forward(
     [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous."""
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
-    if cols.numel() == 0:  # every row on the dense overflow path (or silent): nothing to gather
+    if cols.numel() == 0:  # no entry (silent rows, or hot units took every positive): nothing to gather
         y = init.clone() if init is not None else torch.zeros_like(x)
         l1 = l1_init.clone() if l1_init is not None else x.new_zeros(M, dtype=torch.float32)
         return up, y, l1

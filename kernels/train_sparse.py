@@ -340,7 +340,7 @@ def segment_axpy(
     """
     n_seg, D = outs[0].shape
     nnz, device = gidx.numel(), gidx.device
-    if n_seg == 0 or nnz == 0:  # nothing to gather (e.g. every row on the dense overflow path)
+    if n_seg == 0 or nnz == 0:  # nothing to gather (no entry at all)
         for out in outs:
             out.zero_()
         return

@@ -859,18 +859,8 @@ def _relu_bits_persistent_kernel(
         tile_id = tl.program_id(0)
         while tile_id < n_tiles:
             pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
-            acc = _gate_tile_tma(
-                x_desc,
-                w_desc,
-                pid_m * BLOCK_M,
-                pid_n * BLOCK_N,
-                D,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                DOT_FP32,
-                PRECISION,
-            )
+            acc = _gate_tile_tma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 DOT_FP32, PRECISION)  # fmt: skip
             _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)
             tile_id += NUM_PROGS
     else:
@@ -881,18 +871,8 @@ def _relu_bits_persistent_kernel(
             tl.program_id(0), n_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPEC
         ):
             pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
-            acc = _gate_tile_tma(
-                x_desc,
-                w_desc,
-                pid_m * BLOCK_M,
-                pid_n * BLOCK_N,
-                D,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                DOT_FP32,
-                PRECISION,
-            )
+            acc = _gate_tile_tma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 DOT_FP32, PRECISION)  # fmt: skip
             tile_c += NUM_PROGS
             pid_m, pid_n = _grouped_tile(tile_c, n_m, n_n, GROUP_M)
             _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M, BLOCK_N, SPLIT_STORE)

@@ -133,18 +133,20 @@ class ReLUGatedFFN(nn.Module):
         # The kernels take only dense row-major x; contiguous() is a no-op when x already is.
         x2d = x.reshape(-1, self.d_model).contiguous()
         weights = (self.w_gate, self.w_up, self.w_down)
-        # Custom kernels do not take part in autocast: cast to the autocast dtype by hand (the casts
-        # are differentiable, so gradients still reach the fp32 master weights).
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x2d = x2d.to(dtype)
-            weights = tuple(w.to(dtype) for w in weights)
-        else:
-            weights = tuple(w.to(x2d.dtype) for w in weights)
         if not with_stats and not torch.is_grad_enabled():
+            # Custom kernels do not take part in autocast: cast to the autocast dtype by hand.
+            device_type = x.device.type
+            dtype = (
+                torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x2d.dtype
+            )
+            x2d, weights = x2d.to(dtype), tuple(w.to(dtype) for w in weights)
             y = kernels.twell_ffn_inference(x2d, *weights, hot_units=self.hot_units)
             return y.view(*x.shape[:-1], self.d_model), None, None
+        # The training op gets the parameters themselves: it casts them under autocast (differentiably,
+        # so gradients reach fp32 master weights) and keys the layer's entry-count history by w_gate.
+        # A cast copy here would be a new tensor every step: no history, one host sync per layer.
+        if not torch.is_autocast_enabled(x.device.type):
+            x2d = x2d.to(self.w_gate.dtype)  # outside autocast the weights' dtype decides (as nn.Linear)
         out = kernels.twell_ffn(x2d, *weights, hot_units=self.hot_units)
         y = out.y.view(*x.shape[:-1], self.d_model)
         if not with_stats:

@@ -134,3 +134,30 @@ def test_twell_path_matches_dense_outputs_l1_stats_and_grads(hot_units, monkeypa
     assert taken == [16, 16] if hot_units == 16 else taken == [0, 0]  # 16 tokens: default is off
     with torch.no_grad():
         torch.testing.assert_close(twell(tokens, with_stats=False).logits, a.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not _kernels_ready(), reason="kernels.twell_ffn not available yet")
+def test_twell_entry_count_history_is_keyed_by_the_parameter_under_autocast():
+    """Under autocast the model hands its fp32 parameters to twell_ffn (which casts them), so the
+    layer's entry-count history is found again on the next step: a per-call cast copy as the key
+    would be a new layer every step (no history: one host sync per layer per step)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    import kernels.train
+
+    torch.manual_seed(0)
+    ffn = ReLUGatedFFN(64, 128, impl="twell").to(device)
+    x = torch.randn(2, 8, 64, device=device)
+    dense = ReLUGatedFFN(64, 128, impl="dense").to(device)
+    dense.load_state_dict(ffn.state_dict())
+    for _ in range(2):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y, l1, _ = ffn(x)
+            y_ref, l1_ref, _ = dense(x)
+        (y.float().sum() + l1).backward()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    assert ffn.w_gate.grad is not None and ffn.w_gate.grad.dtype == torch.float32
+    history = kernels.train._capacities.get(ffn.w_gate)
+    assert history is not None and (16, 0) in history, "history not keyed by the layer's w_gate"

@@ -25,6 +25,8 @@ torch.compile'd model keeps the op in its graph (the entry count is an unbacked 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -76,6 +78,28 @@ def set_sizes(mode: str) -> None:
 
 
 _misses: dict[torch.device, Tensor] = {}
+# While a CUDA graph owner captures (record_static_sizes): each static call's (capacity, true entry
+# count as an int32 [1] device view). The view lives in the graph's memory, so every replay rewrites it.
+_static_sizes: list | None = None
+
+
+@contextlib.contextmanager
+def record_static_sizes():
+    """Collects, for the static-size calls made inside the block (a CUDA graph capture), pairs
+    (capacity, entries): `entries` an int32 [1] device tensor that each replay of the graph sets to the
+    call's true entry count. A graph's owner reads them now and then (one sync) to find capacities far
+    above what the layers use now (activations get sparser as training goes on) and captures anew."""
+    global _static_sizes
+    outer, _static_sizes = _static_sizes, []
+    try:
+        yield _static_sizes
+    finally:
+        _static_sizes = outer
+
+
+def oversized(capacity: int, entries: int) -> bool:
+    """A fixed capacity more than twice what the next eager call would take for `entries`."""
+    return capacity > 2 * _with_margin(entries)
 
 
 def _capturing(x: Tensor) -> bool:
@@ -127,13 +151,9 @@ def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     return min(k, F)
 
 
-@torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
-def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
-) -> tuple[
-    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-    Tensor, Tensor,
-]:  # fmt: skip
+def _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity):
+    """The forward at a capacity: < 0 static, > 0 an estimate (redone exactly on a miss), 0 exact.
+    Returns y, l1, row_active, unit_fires, overflow count, then the 10 tensors saved for backward."""
     if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
         return _forward(x, w_gate, w_up, w_down, hot_units, -capacity, static=True)
     if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
@@ -141,6 +161,16 @@ def _ffn_train_fwd(
         if out is not None:
             return out
     return _forward(x, w_gate, w_up, w_down, hot_units, None)
+
+
+@torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
+def _ffn_train_fwd(
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+    Tensor, Tensor,
+]:  # fmt: skip
+    return _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity)
 
 
 def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
@@ -191,6 +221,8 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
     if static:
         static_misses(x.device).add_(pat.totals[1] > capacity)
+        if _static_sizes is not None:
+            _static_sizes.append((capacity, pat.totals[1:]))
     elif pat.pending is not None:
         nnz = pat.pending.read()
         if nnz > capacity:
@@ -218,21 +250,20 @@ def _(x, w_gate, w_up, w_down, hot_units, capacity):
     )  # fmt: skip
 
 
-@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
-def _ffn_train_bwd(
-    grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-    row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, hot_idx: Tensor, g_hot: Tensor,
-    u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def _backward_impl(
+    grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu,
+    w_down_hot,
+):  # fmt: skip
+    """dx, dw_gate, dw_up, dw_down from the upstream gradients of y and l1 and the saved state."""
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
-    l1_scale = grad_l1.float() / M  # d(sum|h| / M)/dh = sign(h) / M, times the upstream gradient
+    grad_l1 = grad_l1.float()  # d(sum|h| / M)/dh = sign(h) / M times this: divided in the kernels
     variant = _settings["backward"]
     if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
         variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
-    # Per entry: dh = dy . w_down + l1_scale * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
+    # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
-    d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, l1_scale)
+    d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, grad_l1, M)
     dx = torch.empty_like(x)
     row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
@@ -244,16 +275,28 @@ def _ffn_train_bwd(
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
         segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
     if hot_idx.numel():
-        _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
+        _hot_backward(dy, grad_l1, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down
 
 
-def _hot_backward(dy, l1_scale, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down):
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+def _ffn_train_bwd(
+    grad_y: Tensor, grad_l1: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, hot_idx: Tensor, g_hot: Tensor,
+    u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _backward_impl(
+        grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu,
+        w_down_hot,
+    )  # fmt: skip
+
+
+def _hot_backward(dy, grad_l1, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down):
     """The hot units' share of every gradient, as a dense FFN's autograd computes it (cuBLAS GEMMs on
     the weight rows the forward gathered, w_gu = [w_gate[hot]; w_up[hot]]; coefficients rounded to x's
     dtype). Their weight-gradient rows hold zeros from the column pass (no sparse entries there) and
     are overwritten."""
-    d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, l1_scale)
+    d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, grad_l1)
     dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
     scatter_hot_rows(hot_idx, d_gu.T @ x, h_hot.T @ dy, dw_gate, dw_up, dw_down)
 
@@ -272,17 +315,39 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y, grad_l1, *_unused):
+def _backward_args(ctx, grad_y, grad_l1) -> tuple:
     saved = ctx.saved_tensors  # unpacked once: activation checkpointing allows a single unpack
     x = saved[0]
     if grad_y is None:
         grad_y = torch.zeros_like(x)
     if grad_l1 is None:
         grad_l1 = torch.zeros((), dtype=torch.float32, device=x.device)
-    return (*torch.ops.twell.ffn_train_bwd(grad_y, grad_l1, *saved), None, None)
+    return grad_y, grad_l1, *saved
+
+
+def _backward(ctx, grad_y, grad_l1, *_unused):
+    return (*torch.ops.twell.ffn_train_bwd(*_backward_args(ctx, grad_y, grad_l1)), None, None)
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFFN(torch.autograd.Function):
+    """The same forward and backward as the custom ops, for eager calls: the ops' dispatch (dispatcher
+    round trips, a generated autograd.Function, output aliasing checks) costs ~0.1-0.3 ms of host time
+    per step on the H200 nodes, where an eager step is host-bound. torch.compile traces the custom ops."""
+
+    @staticmethod
+    def forward(x, w_gate, w_up, w_down, hot_units, capacity):
+        return _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_l1, *_unused):
+        return (*_backward_impl(*_backward_args(ctx, grad_y, grad_l1)), None, None)
 
 
 def twell_ffn(
@@ -323,9 +388,8 @@ def twell_ffn(
                     " (its count, plus a margin, becomes the graph's fixed capacity)"
                 )
             capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
-    y, l1, row_active, unit_fires, n_overflow, *saved = torch.ops.twell.ffn_train_fwd(
-        x, w_gate, w_up, w_down, K, capacity
-    )
+    call = _EagerFFN.apply if track else torch.ops.twell.ffn_train_fwd
+    y, l1, row_active, unit_fires, n_overflow, *saved = call(x, w_gate, w_up, w_down, K, capacity)
     if track and capacity >= 0:  # next call: this one's count plus a margin (static calls keep theirs)
         _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel())
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)

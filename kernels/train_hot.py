@@ -2,7 +2,7 @@
 
 Forward: h = g * u (x's dtype, as a dense FFN rounds it), plus per row sum|h|, which the op needs
 for its L1 term (torch ops and a reduction otherwise, ~0.1 ms at 16384 x 1024 on an H200).
-Backward: dh = (dy w_down^T)[hot] + l1_scale * sign(h); d_gate = dh * u on the ReLU mask, d_up = dh * g,
+Backward: dh = (dy w_down^T)[hot] + grad_l1 / M * sign(h); d_gate = dh * u on the ReLU mask, d_up = dh * g,
 h recomputed; all stored in x's dtype for the cuBLAS GEMMs that follow (six fp32 torch ops over
 [M, K] otherwise, ~0.27 ms at 16384 x 1024).
 """
@@ -42,7 +42,7 @@ def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor,
 
 
 @triton.jit
-def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, dgu_ptr, h_ptr, n, K: tl.constexpr,
+def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, M, dgu_ptr, h_ptr, n, K: tl.constexpr,
                          BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -52,17 +52,21 @@ def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, dgu_ptr, h_ptr, n, K: tl
     h = (g * u).to(h_ptr.dtype.element_ty)  # as the forward rounded it
     hf = h.to(tl.float32)
     sign = tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
-    dh = tl.load(dhd_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(l1_ptr) * sign
+    dh = (
+        tl.load(dhd_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        + (tl.load(l1_ptr).to(tl.float32) / M) * sign
+    )
     tl.store(dgu_ptr + dg_off, tl.where(g > 0, dh * u, 0.0).to(dgu_ptr.dtype.element_ty), mask=ok)
     tl.store(dgu_ptr + dg_off + K, (dh * g).to(dgu_ptr.dtype.element_ty), mask=ok)
     tl.store(h_ptr + offs, h, mask=ok)
 
 
 def hot_backward(
-    dh_dense: torch.Tensor, g_hot: torch.Tensor, u_hot: torch.Tensor, l1_scale: torch.Tensor
+    dh_dense: torch.Tensor, g_hot: torch.Tensor, u_hot: torch.Tensor, grad_l1: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gu [M, 2K] = [d_gate | d_up], h [M, K]) in g's dtype from dh_dense = dy @ w_down[hot]^T and
-    the L1 scale (fp32 0-dim device tensor: no host sync). d_gate and d_up side by side, so that dx and
+    the upstream gradient of l1 = sum |h| / M (fp32 0-dim device tensor, divided by M = g_hot's rows on
+    the device: no host sync). d_gate and d_up side by side, so that dx and
     the two weight gradients each take one GEMM over both (against [w_gate[hot]; w_up[hot]])."""
     M, K = g_hot.shape
     d_gu = g_hot.new_empty(M, 2 * K)
@@ -70,7 +74,7 @@ def hot_backward(
     n = g_hot.numel()
     block = 1024 if not interpreting() else 256
     _hot_backward_kernel[(triton.cdiv(n, block),)](
-        dh_dense, g_hot, u_hot, l1_scale.reshape(1), d_gu, h, n, K=K, BLOCK=block, num_warps=4
+        dh_dense, g_hot, u_hot, grad_l1.reshape(1), M, d_gu, h, n, K=K, BLOCK=block, num_warps=4
     )
     return d_gu, h
 

@@ -59,7 +59,7 @@ def _tuned(configs, key):
 @_tuned(_configs(_SHAPES), key=["D"])
 @triton.jit
 def _entry_grads_kernel(
-    rows_ptr, cols_ptr, dy_ptr, wd_ptr, d_gate_ptr, nnz, stride_dy, stride_wd, gate_ptr, up_ptr, l1_ptr,
+    rows_ptr, cols_ptr, dy_ptr, wd_ptr, d_gate_ptr, nnz, stride_dy, stride_wd, gate_ptr, up_ptr, l1_ptr, M,
     d_up_ptr, h_ptr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -82,7 +82,7 @@ def _entry_grads_kernel(
     u = tl.load(up_ptr + offs_e, mask=mask_e, other=0.0)
     h = tl.where(live, g * u, 0.0)
     sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
-    dh = tl.sum(acc, axis=1) + tl.load(l1_ptr) * sign
+    dh = tl.sum(acc, axis=1) + (tl.load(l1_ptr).to(tl.float32) / M) * sign
     stored = offs_e < nnz
     tl.store(d_gate_ptr + offs_e, tl.where(live, dh * u, 0.0), mask=stored)
     tl.store(d_up_ptr + offs_e, tl.where(live, dh * g, 0.0), mask=stored)
@@ -91,18 +91,19 @@ def _entry_grads_kernel(
 
 def entry_grads(
     rows: torch.Tensor, cols: torch.Tensor, dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
-    up: torch.Tensor, l1_scale: torch.Tensor,
+    up: torch.Tensor, grad_l1: torch.Tensor, M: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The backward's per-entry gradients in one kernel (fp32 [nnz] each): with h = gate * up and
-    dh = dy[row] . w_down[col] + l1_scale * sign(h), returns (d_gate = dh * up, d_up = dh * gate, h).
-    l1_scale: fp32 0-dim device tensor (d loss / d sum|h|), read on the device: no host sync."""
+    dh = dy[row] . w_down[col] + grad_l1 / M * sign(h), returns (d_gate = dh * up, d_up = dh * gate, h).
+    grad_l1: fp32 0-dim device tensor, the upstream gradient of l1 = sum |h| / M (M rows), read and
+    divided on the device: no host sync, no separate launch for the scale."""
     nnz, D = rows.numel(), dy.shape[1]
     d_gate, d_up, h = torch.empty(3, nnz, device=dy.device, dtype=torch.float32).unbind()  # one allocation
     if nnz:
         grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
         _entry_grads_kernel[grid](
             rows, cols, dy, w_down, d_gate, nnz, dy.stride(0), w_down.stride(0), gate, up,
-            l1_scale.reshape(1), d_up, h, D=D,
+            grad_l1.reshape(1), M, d_up, h, D=D,
         )  # fmt: skip
     return d_gate, d_up, h
 

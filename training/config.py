@@ -73,6 +73,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile each transformer block
+    # Replay each micro-batch's forward + backward from one CUDA graph (one process on a GPU; see
+    # training/cuda_graph.py): no per-kernel host cost, which bounds an eager TwELL step.
+    cuda_graph: bool = False
     activation_checkpointing: bool = False  # recompute each block in the backward pass
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -90,6 +93,11 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
         _positive("train.peak_flops", self.peak_flops, allow_zero=True)
+        if self.cuda_graph and (self.compile or self.activation_checkpointing):
+            other = "train.compile" if self.compile else "train.activation_checkpointing"
+            raise ValueError(
+                f"train.cuda_graph=true does not combine with {other}=true; turn one of them off"
+            )
         rows = self.micro_batch * self.seq_len
         if self.global_batch_tokens % rows:
             raise ValueError(

@@ -62,6 +62,20 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         model.layers[index] = block
 
 
+def check_cuda_graph_support(tcfg, device: torch.device, world_size: int) -> None:
+    """train.cuda_graph=true needs what the capture supports (training/cuda_graph.py)."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"train.cuda_graph=true needs a CUDA device, but this run trains on {device.type}; "
+            "set train.cuda_graph=false (or train.device=cuda on a GPU machine)"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"train.cuda_graph=true runs one process, but this run has {world_size}: DDP and FSDP2 "
+            "gradient reduction is not captured; set train.cuda_graph=false under torchrun"
+        )
+
+
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to the global gradient norm (over every rank's shard under FSDP2); returns that norm as
     a plain tensor. With DTensor gradients clip_grad_norm_ reduces the per-shard norms over the
@@ -139,11 +153,19 @@ class Trainer:
         self.stop_requested = False
         self.flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
         self.peak_flops = peak_flops(self.device, self.precision, tcfg.peak_flops)
+        # Autocast's weight-cast cache is off under CUDA graphs (PyTorch's advice for capture).
         self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)
             if self.precision == "bf16"
             else contextlib.nullcontext()
         )
+        self.graphed = None
+        if tcfg.cuda_graph:
+            check_cuda_graph_support(tcfg, self.device, info.world_size)
+            from training.cuda_graph import GraphedMicroStep
+
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.graphed = GraphedMicroStep(params, self._micro_loss, self.grad_accum, self.device)
         self._reset_window()
 
     # ------------------------------------------------------------------ state
@@ -234,28 +256,43 @@ class Trainer:
             self.logger.close()
         return records
 
+    def _micro_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef):
+        """One micro-batch's forward and loss: (loss, ce, model output). CE in fp32 over the logits
+        whatever the autocast dtype; l1_coef a float, or a device scalar under CUDA graphs."""
+        with self.autocast:
+            out = self.forward_model(input_ids)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+        return ce + l1_coef * out.l1, ce, out
+
     def train_step(self) -> None:
         """One optimizer step over grad_accum micro-batches of this rank."""
         lr = set_lr(self.optimizer, self.job.optim, self.step, self.total_steps)
         l1_coef = l1_coef_at(self.step, self.job.sparsity)
-        for micro in range(self.grad_accum):
-            input_ids, labels = self._next_batch()
-            last = micro == self.grad_accum - 1
-            with self._grad_sync(last):
-                with self.autocast:
-                    out = self.forward_model(input_ids)
-                # CE in fp32 over the logits whatever the autocast dtype.
-                ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-                loss = ce + l1_coef * out.l1
-                (loss / self.grad_accum).backward()
-            self._ce_sum += ce.detach()
-            self._l1_sum += out.l1.detach()
-            self.tracker.add(out.stats)
+        batches = [self._next_batch() for _ in range(self.grad_accum)]
+        results = None
+        if self.graphed is not None:
+            routing = tuple(ffn._sparse_now for ffn in self.ffns)
+            check = (self.step + 1) % self.job.model.twell_check_interval == 0
+            results = self.graphed.run_step(batches, l1_coef, routing, check_sizes=check)
+            if results is None:  # a TwELL layer's entries did not fit: nothing of it is kept
+                self.graphed.zero_grads()
+        if results is None:
+            results = []
+            for micro, (input_ids, labels) in enumerate(batches):
+                with self._grad_sync(micro == self.grad_accum - 1):
+                    loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
+                    (loss / self.grad_accum).backward()
+                results.append((ce.detach(), out.l1.detach(), out.stats))
+        for ce, l1, stats in results:
+            self._ce_sum += ce
+            self._l1_sum += l1
+            self.tracker.add(stats)
         # max_norm=inf measures without clipping when clipping is off.
         clip = self.job.train.grad_clip or float("inf")
         grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # Under CUDA graphs the gradients are the graph's static tensors: zeroed in place, kept.
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)
         self.step += 1
 
         dead = self.tracker.end_step(self.info.world_size)

@@ -385,10 +385,10 @@ def test_entry_grads_match_the_chain_rule(l1):
     gate = torch.rand(41).add(0.1).to(torch.bfloat16)
     up = torch.randn(41)
     up[:5] = 0.0
-    scale = torch.tensor(l1)
-    got = entry_grads(*(t.to(DEVICE) for t in (rows, cols, dy, wd, gate, up, scale)))
+    grad_l1, M = torch.tensor(l1), 9  # d loss / d l1, with l1 = sum |h| / M
+    got = entry_grads(*(t.to(DEVICE) for t in (rows, cols, dy, wd, gate, up, grad_l1)), M)
     h = gate.double() * up.double()
-    dh = (dy.double()[rows.long()] * wd.double()[cols.long()]).sum(1) + l1 * torch.sign(h)
+    dh = (dy.double()[rows.long()] * wd.double()[cols.long()]).sum(1) + l1 / M * torch.sign(h)
     for g, e in zip(got, (dh * up.double(), dh * gate.double(), h)):
         torch.testing.assert_close(g.cpu().double(), e, rtol=1e-5, atol=1e-5)
 
@@ -583,6 +583,33 @@ def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
     inputs = _inputs(9, 64, 128, torch.float32)
     with pytest.raises(RuntimeError, match="run the same step once eagerly before capturing"):
         twell_ffn(*inputs)
+
+
+@pytest.mark.parametrize("hot", [0, 16])
+def test_static_calls_record_their_capacity_and_true_entry_count(hot):
+    """record_static_sizes: what a CUDA graph's owner reads to find capacities far above the layers'
+    current counts (oversized). The recorded count is the call's cold entries, as an eager call's."""
+    import kernels.train as kt
+
+    M, D, F = 33, 64, 256
+    x, *weights = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    eager = twell_ffn(x, *weights, hot_units=hot)  # exact: records the layer's count
+    nnz = int(eager.row_active.sum()) if not hot else None
+    capacity = kt._capacities[weights[0]][(M, hot)]
+    try:
+        kt.set_sizes("static")
+        with kt.record_static_sizes() as sizes:
+            twell_ffn(x, *weights, hot_units=hot)
+        twell_ffn(x, *weights, hot_units=hot)  # outside the block: not recorded
+    finally:
+        kt.set_sizes("estimate")
+    assert len(sizes) == 1 and sizes[0][0] == capacity
+    entries = int(sizes[0][1])
+    assert capacity == kt._with_margin(entries)
+    if nnz is not None:
+        assert entries == nnz  # no hot units: every positive is an entry
+    assert not kt.oversized(capacity, entries)
+    assert kt.oversized(2 * capacity + 1, entries) and not kt.oversized(2 * capacity, entries)
 
 
 @pytest.mark.gpu

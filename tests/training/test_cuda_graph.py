@@ -1,0 +1,85 @@
+"""train.cuda_graph: the micro-batch replayed from a CUDA graph trains like the eager loop, a TwELL
+capacity miss is redone eagerly (nothing wrong reaches the weights), and unsupported set-ups are
+refused with the fix."""
+
+import pytest
+import torch
+from trainer_helpers import compose_job, tiny_overrides
+
+import train
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_cuda_graph_refuses_compile_and_activation_checkpointing(offline_data, tmp_path):
+    for other in ("train.compile", "train.activation_checkpointing"):
+        with pytest.raises(ValueError, match=f"does not combine with {other}=true"):
+            compose_job(tiny_overrides(offline_data, tmp_path, 1, "train.cuda_graph=true", f"{other}=true"))
+
+
+def test_cuda_graph_needs_a_cuda_device(offline_data, tmp_path):
+    job = compose_job(tiny_overrides(offline_data, tmp_path, 1, "train.cuda_graph=true", "train.device=cpu"))
+    with pytest.raises(ValueError, match="train.cuda_graph=true needs a CUDA device.*train.cuda_graph=false"):
+        train.build_trainer(job)
+
+
+def _run(offline_data, tmp_path, name, steps, *extra):
+    job = compose_job(tiny_overrides(offline_data, tmp_path / name, steps, "train.device=cuda", *extra))
+    trainer = train.build_trainer(job)
+    return trainer, {r["step"]: r["loss"] for r in trainer.fit() if "loss" in r}
+
+
+# d_ff 256: multiples of 64 for the kernels; lr low enough that bf16 rounding differences stay small.
+SIZES = ("model.d_ff=256", "model.d_model=128", "optim.lr=1e-3", "sparsity.l1_coef=2e-4")
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("ffn_impl", ["dense", "twell"])
+def test_graphed_steps_match_eager_steps(offline_data, tmp_path, ffn_impl):
+    steps = 6
+    extra = (*SIZES, f"model.ffn_impl={ffn_impl}")
+    _, eager = _run(offline_data, tmp_path, "eager", steps, *extra)
+    trainer, graphed = _run(offline_data, tmp_path, "graph", steps, *extra, "train.cuda_graph=true")
+    assert trainer.graphed.captures == 1 and trainer.graphed.redone_steps == 0
+    assert sorted(graphed) == sorted(eager) == list(range(1, steps + 1))
+    for step in eager:
+        assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step
+
+
+@pytest.mark.gpu
+@GPU
+def test_a_capacity_miss_redoes_the_step_eagerly(offline_data, tmp_path, monkeypatch):
+    """Capacities far below the entry count: every graphed step misses, is redone eagerly and the
+    graph is captured again; the losses are the eager run's."""
+    import kernels.train as kt
+
+    steps = 3
+    extra = (*SIZES, "model.ffn_impl=twell")
+    _, eager = _run(offline_data, tmp_path, "eager", steps, *extra)
+    monkeypatch.setattr(kt, "_with_margin", lambda nnz: max(64, nnz // 4))
+    trainer, graphed = _run(offline_data, tmp_path, "graph", steps, *extra, "train.cuda_graph=true")
+    assert trainer.graphed.redone_steps == steps and trainer.graphed.captures == steps
+    for step in eager:
+        assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step
+
+
+@pytest.mark.gpu
+@GPU
+def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypatch):
+    """Every model.twell_check_interval steps the graph's TwELL capacities are compared with the last
+    replay's entry counts; an oversized one (here: every check says so) is captured anew at the next
+    step, and training goes on as the eager run."""
+    import kernels.train as kt
+
+    steps = 6
+    extra = (*SIZES, "model.ffn_impl=twell", "model.twell_check_interval=2")
+    _, eager = _run(offline_data, tmp_path, "eager", steps, *extra)
+    checked = []
+    monkeypatch.setattr(kt, "oversized", lambda cap, n: checked.append((cap, n)) or True)
+    trainer, graphed = _run(offline_data, tmp_path, "graph", steps, *extra, "train.cuda_graph=true")
+    # checks after steps 2 and 4 (and 6): captures at steps 1, 3 and 5
+    assert trainer.graphed.captures == 3 and trainer.graphed.redone_steps == 0
+    assert checked and all(cap >= n > 0 for cap, n in checked)
+    for step in eager:
+        assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step

@@ -1,0 +1,162 @@
+"""train.cuda_graph=true: each micro-batch's forward, loss and backward replayed from one CUDA graph.
+
+Why: an eager micro-batch issues every kernel from Python, tens of microseconds of host time each.
+A TwELL layer issues ~50 of them for ~2 ms of GPU work at 16k tokens, so on the H200 nodes an eager
+step waits on the host (kernels/NOTES_TRAIN.md). A replay issues the whole micro-batch at once.
+
+What is captured: the model's forward under bf16 autocast, CE (fp32) + l1_coef * L1 with l1_coef a
+device scalar refilled each step, and the backward, which accumulates into the parameters' .grad.
+Those gradient tensors are static: allocated before the capture and zeroed in place between steps
+(never set to None). Not captured: the host-to-device batch copy (copied into static input buffers),
+clipping, AdamW, dead-unit re-initialisation (all in place on the same parameters) and the statistics.
+
+TwELL layers inside the capture take fixed entry capacities (kernels.train sizes "static": the
+count of the warm-up call plus a margin). A micro-batch whose entries do not fit its capacity gives
+wrong results and is counted on the device (kernels.train.static_misses). The trainer reads that
+count once per step, before clipping and the optimizer: when it is non-zero, the step's gradients
+and statistics are dropped, the step is redone eagerly (which records the larger counts), and the
+graph is captured again on the next step. Nothing wrong reaches the weights.
+
+Captured again when: the FFN routing changes (ffn_impl="auto"), after a miss, when something replaced
+a parameter's .grad tensor, or when a check (`check_sizes`, every model.twell_check_interval steps:
+one sync) finds a TwELL layer whose capacity is more than twice what it now needs: a capacity fixed
+early in training, while activations are still dense, would otherwise keep sizing every sparse kernel
+(their work follows the capacity inside a graph) long after the layer turned sparse.
+
+Limits (checked in Trainer, each with its message): a CUDA device, one process (DDP/FSDP2 gradient
+reduction is not captured), no torch.compile and no activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Eager micro-batches before each capture, on a side stream (PyTorch's capture recipe): the first
+# records the TwELL layers' entry counts, the second runs at the capture's fixed sizes so that every
+# Triton kernel is autotuned for them (autotuning cannot run inside a capture).
+WARMUP_MICRO_BATCHES = 2
+
+
+class GraphedMicroStep:
+    """Captures `loss_fn(input_ids, labels, l1_coef) -> (loss, ce, out)` plus its backward; replays it.
+
+    `run_step` returns per micro-batch (ce, l1, stats) copies, or None when a TwELL layer's entries did
+    not fit (the caller redoes the step eagerly; the gradients hold garbage and must be zeroed)."""
+
+    def __init__(self, params: list[nn.Parameter], loss_fn: Callable, grad_accum: int, device: torch.device):
+        import kernels.train as kt  # CUDA only: triton is there
+
+        self._kt = kt
+        self.params, self.loss_fn, self.grad_accum, self.device = params, loss_fn, grad_accum, device
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0  # graphs captured so far
+        self.redone_steps = 0  # steps redone eagerly after a capacity miss
+        self._routing = None
+        self._grads: list[torch.Tensor] = []
+        self._sizes: list = []  # (capacity, entries on the device) per TwELL call in the graph
+
+    def invalidate(self) -> None:
+        self.graph = None
+
+    def zero_grads(self) -> None:
+        """Zero the static gradients in place (the graph writes into these very tensors)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def run_step(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        l1_coef: float,
+        routing,
+        check_sizes: bool = False,
+    ) -> list | None:
+        """Replay every micro-batch of a step (gradients accumulate in the parameters' .grad).
+        check_sizes: afterwards compare the TwELL capacities with the last replay's entry counts."""
+        if routing != self._routing or any(p.grad is not g for p, g in zip(self.params, self._grads)):
+            self.graph = None  # another routing, or .grad replaced: the captured addresses are stale
+        if self.graph is None:
+            self._capture(batches[0], l1_coef)
+            self._routing = routing
+        self._l1_coef.fill_(l1_coef)
+        misses = self._kt.static_misses(self.device)
+        misses.zero_()
+        results = []
+        for input_ids, labels in batches:
+            self._ids.copy_(input_ids)
+            self._labels.copy_(labels)
+            self.graph.replay()
+            ce, l1, stats = self._outputs
+            # copies: the next replay overwrites the static outputs
+            results.append(
+                (ce.clone(), l1.clone(), type(stats)(**{k: _copy(v) for k, v in vars(stats).items()}))
+            )
+        missed = int(misses)  # the step's one host sync, before anything is applied
+        if missed:
+            self.graph = None
+            self.redone_steps += 1
+            log.warning(
+                "cuda_graph: %d TwELL call(s) of this step had more active entries than their captured "
+                "capacity; the step is redone eagerly and the graph captured again at the next step",
+                missed,
+            )
+            return None
+        if check_sizes and self._oversized():
+            self.graph = None  # this step stands; the next one captures at the current counts
+            log.info(
+                "cuda_graph: TwELL capacities are more than twice the current entry counts; capturing anew"
+            )
+        return results
+
+    def _oversized(self) -> bool:
+        if not self._sizes:
+            return False
+        entries = torch.cat([t for _, t in self._sizes]).tolist()
+        return any(self._kt.oversized(cap, n) for (cap, _), n in zip(self._sizes, entries))
+
+    def _capture(self, batch: tuple[torch.Tensor, torch.Tensor], l1_coef: float) -> None:
+        kt = self._kt
+        self.graph = None
+        self._ids, self._labels = (t.clone() for t in batch)
+        self._l1_coef = torch.full((), l1_coef, dtype=torch.float32, device=self.device)
+        for p in self.params:  # static gradients, outside the graph's pool
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        sizes = kt._settings["sizes"]
+        try:
+            with torch.cuda.stream(side):
+                for i in range(WARMUP_MICRO_BATCHES):
+                    if i:
+                        kt.set_sizes("static")
+                    loss, _, _ = self.loss_fn(self._ids, self._labels, self._l1_coef)
+                    (loss / self.grad_accum).backward()
+                    # freed now: a kept autograd graph would keep its gradient accumulators (made on
+                    # this stream) alive into the capture
+                    del loss
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.zero_grads()
+            kt.static_misses(self.device).zero_()
+            graph = torch.cuda.CUDAGraph()
+            with kt.record_static_sizes() as sizes, torch.cuda.graph(graph):
+                loss, ce, out = self.loss_fn(self._ids, self._labels, self._l1_coef)
+                (loss / self.grad_accum).backward()
+        finally:
+            kt.set_sizes(sizes)
+        self._sizes = sizes
+        self._outputs = (ce.detach(), out.l1.detach(), out.stats)
+        self._grads = [p.grad for p in self.params]
+        self.graph = graph
+        self.captures += 1
+        log.info("cuda_graph: captured the micro-batch step (capture %d)", self.captures)
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value

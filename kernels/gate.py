@@ -226,6 +226,8 @@ def _twell_gate_kernel(
     F,
     T,
     M_BUCKET,
+    zero_ptr,
+    n_zero,
     D: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -240,9 +242,14 @@ def _twell_gate_kernel(
     OFF32: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     # x_src / w_src are tensor descriptors when TMA, else pointers. M_BUCKET only keys autotuning.
     # BLOCK_N is the format tile; the program walks it in BLOCK_N // SUB_N mainloop + compaction steps.
+    if ZERO_BLOCK > 0:  # int32 zero_ptr[:n_zero] (a consumer's per-row counters): no separate fill node
+        if tl.program_id(0) == 0:
+            zo = tl.arange(0, ZERO_BLOCK)
+            tl.store(zero_ptr + zo, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zo < n_zero)
     n_tiles = tl.cdiv(M, BLOCK_M) * T
     if PERSISTENT:  # GPU only: the interpreter cannot loop from a program id
         for tile_id in range(tl.program_id(0), n_tiles, NUM_PROGS):
@@ -649,10 +656,15 @@ def launch_gate(
     *,
     epilogue: str = "twell",
     dense: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
 ) -> None:
     """Launch the gate kernel into given buffers (no checks: twell_gate and the benchmarks call this).
     epilogue "twell" takes the path of set_gate_variant: fused, or two_kernel (dense relu into a
-    temporary [M, F] buffer, freed on return, then _compact_dense_kernel)."""
+    temporary [M, F] buffer, freed on return, then _compact_dense_kernel). `zero`: an int32 tensor
+    (at most 2**16 elements) that must read 0 once the gate is done; the fused kernel zeroes it on
+    the way (decode: no fill node in a graph), other paths fill it first."""
+    if zero is not None and zero.numel() > 1 << 16:
+        raise ValueError(f"zero has {zero.numel()} elements; launch_gate zeroes at most {1 << 16}")
     M = x.shape[0]
     F = w_gate.shape[0]
     # Measured on an H200 (docs/results/bench_gate_round3.txt): the two-kernel path beats the fused
@@ -660,12 +672,14 @@ def launch_gate(
     # default until the fused epilogue reaches mainloop cost; the interpreter keeps the fused one.
     path = _variant["path"] or ("fused" if interpreting() else "two_kernel")
     if epilogue == "twell" and path == "two_kernel" and M > 64:
+        if zero is not None:
+            zero.zero_()
         h = torch.empty((M, F), dtype=x.dtype, device=x.device)
         bits = _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots)
         _compact_pass(h, bits, counts, cols, vals, tile_n, slots)
         del h, bits  # back to the caching allocator at once: the dense pass is transient
         return
-    _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense)
+    _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, zero)
 
 
 def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
@@ -718,7 +732,7 @@ def _off32(M: int, F: int, tile_n: int, slots: int) -> bool:
     return (M + 256) * cdiv(F, tile_n) * slots < 2**31
 
 
-def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) -> None:
+def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, zero=None) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
@@ -748,6 +762,8 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) 
     if persistent:
         num_progs = torch.cuda.get_device_properties(x.device).multi_processor_count
     args = (x_src, w_src, counts, cols, vals, dense if dense is not None else vals, M, F, T)
+    n_zero = 0 if zero is None else zero.numel()
+    zero_args = (zero if n_zero else counts, n_zero)
     common = dict(
         D=D,
         SLOTS=slots,
@@ -761,18 +777,19 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense) 
         OFF32=_off32(M, F, tile_n, slots),
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
+        ZERO_BLOCK=next_pow2(n_zero) if n_zero else 0,
     )
     m_bucket = min(next_pow2(M), 1 << 17)
     if interpreting():
         grid = (cdiv(M, block_m) * T,)
-        _twell_gate_kernel[grid](*args, m_bucket, BLOCK_K=block_k, **fixed, **common)
+        _twell_gate_kernel[grid](*args, m_bucket, *zero_args, BLOCK_K=block_k, **fixed, **common)
         return
 
     def grid(meta):
         tiles = cdiv(M, meta["BLOCK_M"]) * T
         return (min(tiles, num_progs),) if persistent else (tiles,)
 
-    _tuned_kernel(regime)[grid](*args, m_bucket, **fixed, **common)
+    _tuned_kernel(regime)[grid](*args, m_bucket, *zero_args, **fixed, **common)
 
 
 def _format(M: int, F: int, slots: int | None, tile_n: int | None) -> tuple[int, int]:
@@ -801,11 +818,15 @@ def twell_gate(
     """relu(x @ w_gate^T) in TwELL form (see TwELLGate); counts may exceed slots (overflow tiles)."""
     check_x_weight(x, w_gate, "w_gate")
     check_kernel_device(x)
-    M, D = x.shape
-    F = w_gate.shape[0]
+    return _twell_gate(x, w_gate, slots, tile_n)
+
+
+def _twell_gate(x, w_gate, slots, tile_n, zero=None) -> TwELLGate:
+    """twell_gate after its checks; `zero` see launch_gate."""
+    M, F = x.shape[0], w_gate.shape[0]
     tile_n, slots = _format(M, F, slots, tile_n)
     counts, cols, vals = _format_buffers(x, F, tile_n, slots)
-    launch_gate(x, w_gate, counts, cols, vals, tile_n, slots)
+    launch_gate(x, w_gate, counts, cols, vals, tile_n, slots, zero=zero)
     return TwELLGate(counts, cols, vals, tile_n, slots)
 
 

@@ -22,9 +22,15 @@ import triton
 import triton.language as tl
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
-from .gate import twell_gate, twell_gate_hot
+from .gate import _twell_gate, count_fires, relu_gate_bits, select_hot_units, twell_gate_hot
+from .train_format import build_pattern
+from .train_rowfwd import row_ffn_inference
 
-SCHEDULES = ("row",)
+# "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
+# row; "csr": the gate's positive bitmask compacted into a CSR of the cold positives (as the training
+# op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
+# at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above.
+SCHEDULES = ("row", "csr")
 
 
 class InferenceStats(NamedTuple):
@@ -108,7 +114,10 @@ def _row_consumer_kernel(
     vals_ptr,
     hot_ptr,
     init_ptr,
+    parts_ptr,
+    tickets_ptr,
     F,
+    n_rows,
     M_BUCKET,
     T: tl.constexpr,
     T_PAD: tl.constexpr,
@@ -122,7 +131,7 @@ def _row_consumer_kernel(
     HOT: tl.constexpr,
 ):
     # Program (row, part): part takes the row's chunks part, part + SPLIT, ... and its overflow tiles
-    # t = part mod SPLIT. SPLIT > 1 (decode: few rows, many SMs) adds into an fp32 y with atomics.
+    # t = part mod SPLIT. SPLIT > 1 (decode: few rows, many SMs): see the end.
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     ds = tl.arange(0, BLOCK_D)
@@ -179,7 +188,18 @@ def _row_consumer_kernel(
     if SPLIT == 1:
         tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
     else:
-        tl.atomic_add(y_ptr + row * D + ds, acc, mask=d_ok, sem="relaxed")
+        # Each program stores its fp32 partial row; the last of the row's SPLIT programs to take a
+        # ticket (per-row counters the gate kernel zeroed) adds the partials up in part order
+        # (deterministic) and writes y: no fill before and no cast kernel after (decode graphs).
+        tl.store(parts_ptr + (part.to(tl.int64) * n_rows + row) * D + ds, acc, mask=d_ok)
+        ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")  # release: the partial above
+        if ticket == SPLIT - 1:
+            y_row = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for p in tl.static_range(SPLIT):
+                y_row += tl.load(
+                    parts_ptr + (p * n_rows + row) * D + ds, mask=d_ok, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(y_ptr + row * D + ds, y_row.to(y_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _consumer_configs() -> list[triton.Config]:
@@ -192,6 +212,8 @@ _tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", 
 )
 
 DECODE_MAX_TOKENS = 64
+# Programs per row of the consumer at decode sizes: 8 (H200, graph-replayed, d_ff 5632, partial rows
+# summed by the last program: split 8 / 16 gave 22 / 23 us at 1 token and 35 / 35 us at 64; NOTES.md).
 _settings = {"decode_split": 8}
 
 
@@ -219,10 +241,15 @@ def default_hot_units(M: int, F: int) -> int:
 
 
 def _hot_part(x, w_up, w_down, hot):
+    """y_hot of a TwELL hot gate (kernels.gate.twell_gate_hot); see _hot_y."""
+    return _hot_y(x, w_up, w_down, hot.hot_idx, hot.g_hot)
+
+
+def _hot_y(x, w_up, w_down, hot_idx, g_hot):
     """y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]: two tensor-core GEMMs on gathered rows."""
-    u = x @ w_up.index_select(0, hot.hot_idx).T
-    u.mul_(hot.g_hot)
-    return u @ w_down.index_select(0, hot.hot_idx)
+    u = x @ w_up.index_select(0, hot_idx).T
+    u.mul_(g_hot)
+    return u @ w_down.index_select(0, hot_idx)
 
 
 def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats):
@@ -237,15 +264,18 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
         hot_units = default_hot_units(M, F)
     hot_units = 0 if decode else min(hot_units, F)
     if hot_units:
+        split = 1
+    elif split is None:
+        split = _settings["decode_split"] if decode else 1
+    # split > 1: per-row tickets of the consumer's programs, zeroed by the gate kernel
+    tickets = torch.empty(M, dtype=torch.int32, device=x.device) if split > 1 else None
+    if hot_units:
         hot = twell_gate_hot(x, w_gate, hot_units, slots=slots, tile_n=tile_n)
         gate = hot.gate
         y_hot = _hot_part(x, w_up, w_down, hot)
-        split = 1
     else:
-        gate = twell_gate(x, w_gate, slots=slots, tile_n=tile_n)
+        gate = _twell_gate(x, w_gate, slots, tile_n, zero=tickets)
     T = gate.counts.shape[1]
-    if split is None:
-        split = _settings["decode_split"] if decode else 1
     block_d = next_pow2(D)
     common = dict(
         T=T,
@@ -260,17 +290,16 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
     )
     args = (x, w_gate, w_up, w_down)
     extra = (hot.hot_pos, y_hot) if hot_units else (gate.counts, x)  # placeholders when not HOT
-    fmt = (gate.counts, gate.cols, gate.vals, *extra, F, min(next_pow2(M), 1 << 17))
     y = torch.empty_like(x)
+    # split > 1: fp32 partial rows [split, M, D], each written once (no fill)
+    parts = torch.empty((split, M, D), dtype=torch.float32, device=x.device) if split > 1 else y
+    split_bufs = (parts, tickets if tickets is not None else gate.counts)
+    fmt = (gate.counts, gate.cols, gate.vals, *extra, *split_bufs, F, M, min(next_pow2(M), 1 << 17))
     if split == 1 and not interpreting():
         _tuned_consumer[(M, 1)](*args, y, *fmt, **common)
     else:
-        # split > 1: the programs of a row add into an fp32 buffer with atomics, cast into y at the end
-        out = torch.zeros((M, D), dtype=torch.float32, device=x.device) if split > 1 else y
         chunk = min(16 if interpreting() else 4, next_pow2(gate.slots))
-        _row_consumer_kernel[(M, split)](*args, out, *fmt, CHUNK=chunk, num_warps=4, **common)
-        if split > 1:
-            y.copy_(out)
+        _row_consumer_kernel[(M, split)](*args, y, *fmt, CHUNK=chunk, num_warps=4, **common)
     if not return_stats:  # three small kernels: ~8 of the 31 us of a 1-token call on the H200 (NOTES round 6)
         return y, None
     overflow_rows = (gate.counts > gate.slots).any(dim=1).sum(dtype=torch.int32)
@@ -293,15 +322,56 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row" (None: the default). slots / tile_n: TwELL format (see kernels.gate); split:
-    programs per row of the consumer (None: several at decode sizes, where few rows must fill the GPU;
-    1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS
-    from HOT_MIN_TOKENS tokens on; ignored at decode sizes on a GPU). With return_stats=True returns
-    (y, InferenceStats).
+    schedule: "row" or "csr" (see SCHEDULES; None: row at decode sizes or when a TwELL option below is
+    given, csr otherwise). slots / tile_n:
+    TwELL format of the row schedule (see kernels.gate); split: programs per row of its consumer (None:
+    several at decode sizes, where few rows must fill the GPU; 1 otherwise). hot_units: K units computed
+    densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on; ignored at
+    decode sizes on a GPU). With return_stats=True returns (y, InferenceStats): overflow_rows counts
+    the rows whose positives did not all fit the format (row: a tile past its slots; csr: entries past
+    the CSR's capacity), each computed exactly on its overflow path.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
+    if schedule is None:  # a TwELL option asks for the row schedule
+        twell_options = slots is not None or tile_n is not None or split is not None
+        schedule = "row" if x.shape[0] <= DECODE_MAX_TOKENS or twell_options else "csr"
+    if schedule == "csr":
+        for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'csr'"
+                )
+        y, stats = _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats)
+    else:
+        y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y
+
+
+def csr_capacity(M: int, F: int) -> int:
+    """Entry slots of the csr schedule: 1/32 of d_ff per row on average (176 at 5632, ~6x the paper's
+    ~29 active units before the hot units take ~75% of them; 6 bytes a slot). Positives past it are
+    read from the dense h by the row kernel: exact, slower, counted in overflow_rows."""
+    return M * max(32, F // 32)
+
+
+def _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats):
+    M, F = x.shape[0], w_gate.shape[0]
+    hot_units = check_hot_units(hot_units)
+    K = min(default_hot_units(M, F) if hot_units is None else hot_units, F)
+    h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
+    hot_idx = hot_pos = split = g_hot = None
+    if K:
+        hot_idx, hot_pos, hot_bits = select_hot_units(count_fires(bits), K)
+        g_hot = torch.zeros(M, K, dtype=x.dtype, device=x.device)
+        split = (hot_pos, hot_bits, g_hot)
+    capacity = csr_capacity(M, F)
+    pat = build_pattern(h, bits, split, capacity, inference=True)
+    del bits
+    y_hot = _hot_y(x, w_up, w_down, hot_idx, g_hot) if K else None
+    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, hot_pos, y_hot)
+    if not return_stats:
+        return y, None
+    return y, InferenceStats((pat.row_ptr[1:] > capacity).sum(dtype=torch.int32))

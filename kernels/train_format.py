@@ -91,36 +91,43 @@ def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, t
 @triton.jit
 def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
-    K_HOT, M_BUCKET, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
+    K_HOT, M_BUCKET, cap, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr,
+    DYNAMIC_LOOPS: tl.constexpr, WRITE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
     word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
     max-popcount-per-word times (a few at 0.5% density, 32 on a dense row: slower, still exact);
-    h is read as a 2-byte gather per positive. Slots at or past the row's (clamped) end are not written.
-    M_BUCKET only keys autotuning."""
+    h is read as a 2-byte gather per positive. Slots at or past the row's end or `cap` (the entry
+    arrays' size) are not written. M_BUCKET only keys autotuning."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
     cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(cold)
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
-    end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)
+    end = tl.minimum(tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0), cap)
     slot = start[:, None] + tl.cumsum(pc, axis=1) - pc  # the row's positives in earlier words
     h_rows = h_ptr + rows[:, None].to(tl.int64) * F
     col0 = tl.arange(0, W_PAD)[None, :] * 32
     row_ids = tl.zeros([ROWS, W_PAD], dtype=tl.int32) + rows[:, None]
     if DYNAMIC_LOOPS:
         for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
-            cold, slot = _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr)
+            cold, slot = _emit_entries(
+                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
+            )
     else:  # interpreter: constexpr trip count
         for _ in range(0, 32):
-            cold, slot = _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr)
+            cold, slot = _emit_entries(
+                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
+            )
     if HOT:  # hot positives to their g_hot column (g_hot zero-filled by the caller)
         _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
 
 
 @triton.jit
-def _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr):
+def _emit_entries(
+    cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS: tl.constexpr
+):
     """Write the lowest positive of every word as entry `slot` (if before the row's end); returns the
     words without it and the next slots."""
     lsb = cold ^ (cold & (cold - 1))
@@ -129,7 +136,8 @@ def _emit_entries(cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, va
     v = tl.load(h_rows + col, mask=keep, other=0.0)
     tl.store(cols_ptr + slot, col, mask=keep)
     tl.store(vals_ptr + slot, v, mask=keep)
-    tl.store(rows_ptr + slot, row_ids, mask=keep)
+    if WRITE_ROWS:
+        tl.store(rows_ptr + slot, row_ids, mask=keep)
     return cold ^ lsb, slot + 1
 
 
@@ -147,6 +155,7 @@ def build_pattern(
     hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     capacity: int | None = None,
     static: bool = False,
+    inference: bool = False,
 ) -> TrainPattern:
     """h [M, F] (relu'd gate values) and its positive bitmask bits int32 [M, F // 32] -> TrainPattern of
     the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K] zero-filled;
@@ -155,7 +164,11 @@ def build_pattern(
     `pending`; see the module doc). `static` (with a capacity; CUDA graph capture): nothing is read
     back at all (the caller checks the device totals), and the slots past the entries hold row 0,
     column F (past the last unit: a column sort puts them last, outside every column) and gate 0 (no
-    contribution; their rows are never read)."""
+    contribution; their rows are never read).
+    `inference` (with a capacity; kernels.inference's csr schedule): no host sync and no read-back, no
+    entry rows (`rows` is empty), no fill of unused slots, and row_ptr is NOT clamped: entries past the
+    capacity are simply not written, and a row whose end lies past it is walked from h by the row
+    kernel (kernels/train_rowfwd.py): nothing is dropped."""
     M, F = h.shape
     W = F // 32
     device = h.device
@@ -172,7 +185,11 @@ def build_pattern(
     else:
         row_ptr.zero_()
     row_ptr[1:].cumsum_(0)  # in place, int32
-    if capacity is not None:
+    if inference:
+        if capacity is None:
+            raise ValueError("build_pattern(inference=True) needs a capacity")
+        pending, nnz = None, capacity
+    elif capacity is not None:
         row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
         pending = None if static else PendingTotals(totals[1:])
         nnz = capacity
@@ -180,8 +197,8 @@ def build_pattern(
         pending = None
         nnz = int(totals[1])
 
-    rows = torch.empty(nnz, device=device, dtype=torch.int32)
-    if static:  # unused slots: past the last column, gate 0 (rows never read there)
+    rows = torch.empty(0 if inference else nnz, device=device, dtype=torch.int32)
+    if static and not inference:  # unused slots: past the last column, gate 0 (rows never read there)
         cols = torch.full((nnz,), F, device=device, dtype=torch.int32)
         gate = torch.zeros(nnz, device=device, dtype=h.dtype)
     else:
@@ -190,15 +207,16 @@ def build_pattern(
     if M and (nnz or hot is not None):
         args = (
             h, bits, hot_bits, hot_pos, g_hot, row_ptr, rows, cols, gate, M, F,
-            g_hot.shape[1] if hot is not None else 1, min(next_pow2(M), 1 << 17),
+            g_hot.shape[1] if hot is not None else 1, min(next_pow2(M), 1 << 17), nnz,
         )  # fmt: skip
+        flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference)
         if interpreting():
             _compact_csr_kernel[(triton.cdiv(M, 16),)](
-                *args, HOT=hot is not None, W_PAD=w_pad, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
+                *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
             )
         else:
             _tuned_compact_csr[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
-                *args, HOT=hot is not None, W_PAD=w_pad, DYNAMIC_LOOPS=True
+                *args, **flags, DYNAMIC_LOOPS=True
             )
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending)
 

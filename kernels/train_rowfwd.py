@@ -18,7 +18,7 @@ from .train_sparse import _tuned
 
 @triton.jit
 def _row_fwd_step(e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D: tl.constexpr,
-                  CHUNK: tl.constexpr):  # fmt: skip
+                  CHUNK: tl.constexpr, STORE_UP: tl.constexpr):  # fmt: skip
     offs = e0 + tl.arange(0, CHUNK)
     ok = offs < end
     units = tl.load(cols_ptr + offs, mask=ok, other=0).to(tl.int64)
@@ -28,9 +28,37 @@ def _row_fwd_step(e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_pt
     wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
     wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
     up = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-    tl.store(up_ptr + offs, up, mask=ok)
+    if STORE_UP:
+        tl.store(up_ptr + offs, up, mask=ok)
     h = gate * up
     return acc + tl.sum(h[:, None] * wd.to(tl.float32), axis=0), l1 + tl.sum(tl.abs(h), axis=0)
+
+
+@triton.jit
+def _row_past_cap(row, start, cap, acc, l1, x, h_ptr, hot_pos_ptr, wu_ptr, wd_ptr, ds, d_ok, D: tl.constexpr,
+                  F: tl.constexpr, HOT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """The row's cold positives whose CSR slot (start + rank in the row) is at or past `cap`, the entry
+    arrays' size: read straight from the dense h, CHUNK columns at a time (weight rows are loaded for
+    those positives only). Rare: only when a batch has more entries than the inference capacity."""
+    running = tl.zeros([], dtype=tl.int32)  # the row's cold positives before this chunk
+    for c0 in range(0, F, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        c_ok = cols < F
+        g = tl.load(h_ptr + row * F + cols, mask=c_ok, other=0.0).to(tl.float32)
+        cold = (g > 0) & c_ok
+        if HOT:
+            cold = cold & (tl.load(hot_pos_ptr + cols, mask=c_ok, other=0) < 0)
+        ci = cold.to(tl.int32)
+        take = cold & (start + running + tl.cumsum(ci, axis=0) - ci >= cap)
+        running += tl.sum(ci, axis=0)
+        w_off = cols[:, None].to(tl.int64) * D + ds[None, :]
+        live = take[:, None] & d_ok[None, :]
+        wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+        wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
+        hv = tl.where(take, g * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
+        acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
+        l1 += tl.sum(tl.abs(hv), axis=0)
+    return acc, l1
 
 
 def _configs():
@@ -40,14 +68,17 @@ def _configs():
 
 @triton.jit
 def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
-                    l1_ptr, l1_init_ptr, HAS_L1_INIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                    l1_ptr, l1_init_ptr, h_ptr, hot_pos_ptr, cap, HAS_L1_INIT: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
+                    STORE_UP: tl.constexpr, STORE_L1: tl.constexpr, PAST_CAP: tl.constexpr, F: tl.constexpr,
+                    HOT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
     x = tl.load(x_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
     start = tl.load(row_ptr_ptr + row)
-    end = tl.load(row_ptr_ptr + row + 1)
+    row_end = tl.load(row_ptr_ptr + row + 1)
+    end = tl.minimum(row_end, cap)  # PAST_CAP: row_ptr is not clamped; entries from cap on are in h only
     if HAS_INIT:  # start from the hot units' dense part of y (one rounding for both parts)
         acc = tl.load(init_ptr + row * D + ds, mask=d_ok, other=0.0).to(tl.float32)
     else:
@@ -60,19 +91,25 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
         e0 = start
         while e0 < end:
             acc, l1 = _row_fwd_step(
-                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK, STORE_UP
             )
             e0 += CHUNK
     else:
         for e0 in range(start, end, CHUNK):
             acc, l1 = _row_fwd_step(
-                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK, STORE_UP
+            )
+    if PAST_CAP:
+        if row_end > cap:
+            acc, l1 = _row_past_cap(
+                row, start, cap, acc, l1, x, h_ptr, hot_pos_ptr, wu_ptr, wd_ptr, ds, d_ok, D, F, HOT, CHUNK
             )
     tl.store(y_ptr + row * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
-    tl.store(l1_ptr + row, l1)
+    if STORE_L1:
+        tl.store(l1_ptr + row, l1)
 
 
-_launch = _tuned(_configs(), key=["D"])(_row_fwd_kernel)
+_launch = _tuned(_configs(), key=["D", "STORE_UP"])(_row_fwd_kernel)
 
 
 def row_ffn_forward(
@@ -92,10 +129,32 @@ def row_ffn_forward(
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
     _launch[(M,)](
         row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
-        l1_init if l1_init is not None else l1, HAS_L1_INIT=l1_init is not None, D=D,
-        BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
+        l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), HAS_L1_INIT=l1_init is not None,
+        D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None, STORE_UP=True,
+        STORE_L1=True, PAST_CAP=False, F=1, HOT=False,
     )  # fmt: skip
     return up, y, l1
+
+
+def row_ffn_inference(
+    row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
+    w_down: torch.Tensor, h: torch.Tensor, hot_pos: torch.Tensor | None, init: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """y [M, D] = init + sum over the row's cold positives of gate * (x . w_up[col]) * w_down[col], from a
+    CSR built with build_pattern(..., inference=True): row_ptr unclamped, the first cols.numel() slots
+    listed; a row's positives past them are read from h [M, F] (hot_pos int32 [F], >= 0 for the hot
+    units that init already holds, or None). No u is stored and no L1 computed."""
+    M, D = x.shape
+    y = torch.empty_like(x)
+    if M == 0:
+        return y
+    _launch[(M,)](
+        row_ptr, cols, gate, x, w_up, w_down, y, y, init if init is not None else y, y, y, h,
+        hot_pos if hot_pos is not None else row_ptr, cols.numel(), HAS_L1_INIT=False, D=D,
+        BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None, STORE_UP=False,
+        STORE_L1=False, PAST_CAP=True, F=h.shape[1], HOT=hot_pos is not None,
+    )  # fmt: skip
+    return y
 
 
 @triton.jit

@@ -9,10 +9,12 @@
     python scripts/bench_ffn.py --quick --profile                # + per-kernel GPU times of each variant
 
 Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
-hot-unit count K (M > 64; K = 0 is the pure row schedule) or each consumer split (decode, M <= 64).
-'hgate' = the hot-split gate alone (dense pass + sample + top-K + compaction), 'hmm' = the two hot
-GEMMs; 'sparse' = FFN - gate - hmm, with the GB/s the weight rows of the cold pairs would need if no two
-tokens shared one. Every configuration is checked row by row against a float32 reference (max
+schedule (M > 64: --schedules, "csr" the default and "row" the TwELL consumer) and hot-unit count K
+(M > 64; K = 0: no hot units), or each consumer split (decode, M <= 64: the row schedule).
+'hgate' = the hot-split gate alone (row: dense pass + count + top-K + TwELL compaction; csr: the dense
+relu+bitmask GEMM alone), 'hmm' = the two hot GEMMs; 'sparse' = FFN - gate - hmm (csr: everything
+after the GEMM but the hot GEMMs: count, selection, CSR build, row kernel), with the GB/s the weight
+rows of the cold pairs would need if no two tokens shared one. Every configuration is checked row by row against a float32 reference (max
 relative error per row < 1e-2). Small batches run under CUDA graphs.
 """
 
@@ -28,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.gate import twell_gate_hot  # noqa: E402
-from kernels.inference import DECODE_MAX_TOKENS, _hot_part  # noqa: E402
+from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
+from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
@@ -143,7 +145,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) for s in args.decode_splits]
         else:
-            variants = [dict(hot_units=k) for k in args.hot_units]
+            variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
         rows = []
         for kw in variants:
@@ -156,12 +158,14 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 hot_gate_ms = timed(lambda K=K: twell_gate_hot(x, w_gate, K), graph, args.rep)
                 hot_mm_ms = timed(lambda hot=hot: _hot_part(x, w_up, w_down, hot), graph, args.rep)
                 del hot
+            if kw.get("schedule") == "csr":  # its gate: the relu + bitmask GEMM alone
+                hot_gate_ms = timed(lambda: relu_gate_bits(x, w_gate), graph, args.rep)
             y, stats = twell_ffn_inference(x, w_gate, w_up, w_down, return_stats=True, **kw)
             err = row_errors(y, x, w_gate, w_up, w_down)
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
-            name = f"hot{K}" if "hot_units" in kw else f"s{kw['split']}"
+            name = f"{kw['schedule']}{K}" if "hot_units" in kw else f"s{kw['split']}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -201,7 +205,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
 
 def print_table(rows):
     head = (
-        f"{'tokens':>7} {'d_ff':>5} {'variant':>7} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
+        f"{'tokens':>7} {'d_ff':>5} {'variant':>8} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
         f"{'x dense':>7} {'gate':>7} {'hgate':>7} {'hmm':>7} {'sparse':>7} {'hot%':>5} {'sp GB/s':>7} "
         f"{'ovf':>4} {'maxerr':>8} ok"
     )
@@ -209,7 +213,7 @@ def print_table(rows):
     opt = lambda v, fmt: f"{v:{fmt}}" if v is not None else f"{'-':>{fmt.split('.')[0]}}"  # noqa: E731
     for r in rows:
         print(
-            f"{r['tokens']:>7} {r['d_ff']:>5} {r['variant']:>7} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
+            f"{r['tokens']:>7} {r['d_ff']:>5} {r['variant']:>8} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
             f"{opt(r['compiled_ms'], '8.3f')} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} "
             f"{opt(r['hot_gate_ms'], '7.3f')} {opt(r['hot_mm_ms'], '7.3f')} {r['sparse_ms']:7.3f} "
             f"{100 * r['hot_share']:5.1f} {r['sparse_gbs']:7.0f} {r['overflow_rows']:>4} "
@@ -226,6 +230,7 @@ def main(argv=None):
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
+    p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
     p.add_argument(
         "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
     )

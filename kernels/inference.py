@@ -326,8 +326,8 @@ def twell_ffn_inference(
     given, csr otherwise). slots / tile_n:
     TwELL format of the row schedule (see kernels.gate); split: programs per row of its consumer (None:
     several at decode sizes, where few rows must fill the GPU; 1 otherwise). hot_units: K units computed
-    densely on tensor cores (0: off; None: DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on; ignored at
-    decode sizes on a GPU). With return_stats=True returns (y, InferenceStats): overflow_rows counts
+    densely on tensor cores (0: off; None: none for csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on
+    for row; ignored at decode sizes on a GPU). With return_stats=True returns (y, InferenceStats): overflow_rows counts
     the rows whose positives did not all fit the format (row: a tile past its slots; csr: entries past
     the CSR's capacity), each computed exactly on its overflow path.
     """
@@ -360,7 +360,9 @@ def csr_capacity(M: int, F: int) -> int:
 def _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats):
     M, F = x.shape[0], w_gate.shape[0]
     hot_units = check_hot_units(hot_units)
-    K = min(default_hot_units(M, F) if hot_units is None else hot_units, F)
+    # No hot units by default: the row kernel gathers cheaply enough that they stopped paying (H200,
+    # d_ff 5632, hot 0 / 1024: 1.082 / 1.072 ms at 16384 tokens, 7.694 / 7.858 ms at 131072; NOTES.md).
+    K = min(0 if hot_units is None else hot_units, F)
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
     hot_idx = hot_pos = split = g_hot = None
     if K:

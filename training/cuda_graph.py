@@ -130,27 +130,28 @@ class GraphedMicroStep:
                 p.grad = torch.zeros_like(p)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        sizes = kt._settings["sizes"]
+        sizes_mode = kt._settings["sizes"]
         try:
             with torch.cuda.stream(side):
                 for i in range(WARMUP_MICRO_BATCHES):
                     if i:
                         kt.set_sizes("static")
-                    loss, _, _ = self.loss_fn(self._ids, self._labels, self._l1_coef)
+                    # only the loss is kept, and freed after its backward: an autograd graph kept
+                    # alive (the logits hold one) would carry its gradient accumulators, made on this
+                    # stream, into the capture
+                    loss = self.loss_fn(self._ids, self._labels, self._l1_coef)[0]
                     (loss / self.grad_accum).backward()
-                    # freed now: a kept autograd graph would keep its gradient accumulators (made on
-                    # this stream) alive into the capture
                     del loss
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.zero_grads()
             kt.static_misses(self.device).zero_()
             graph = torch.cuda.CUDAGraph()
-            with kt.record_static_sizes() as sizes, torch.cuda.graph(graph):
+            with kt.record_static_sizes() as recorded, torch.cuda.graph(graph):
                 loss, ce, out = self.loss_fn(self._ids, self._labels, self._l1_coef)
                 (loss / self.grad_accum).backward()
         finally:
-            kt.set_sizes(sizes)
-        self._sizes = sizes
+            kt.set_sizes(sizes_mode)
+        self._sizes = recorded
         self._outputs = (ce.detach(), out.l1.detach(), out.stats)
         self._grads = [p.grad for p in self.params]
         self.graph = graph

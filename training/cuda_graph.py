@@ -61,9 +61,6 @@ class GraphedMicroStep:
         self._grads: list[torch.Tensor] = []
         self._sizes: list = []  # (capacity, entries on the device) per TwELL call in the graph
 
-    def invalidate(self) -> None:
-        self.graph = None
-
     def zero_grads(self) -> None:
         """Zero the static gradients in place (the graph writes into these very tensors)."""
         grads = [p.grad for p in self.params if p.grad is not None]

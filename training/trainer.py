@@ -3,7 +3,7 @@
 step = grad_accum micro-batches (forward under autocast, CE in fp32 + l1_coef * L1, backward; DDP
 all-reduces / FSDP2 reduce-scatters gradients only on the last micro-batch) -> clip to the global
 norm -> AdamW -> dead-unit re-init -> metrics on the log cadence -> evaluations / checkpoint on
-theirs.
+theirs. With train.cuda_graph the micro-batches are replayed from a CUDA graph (training/cuda_graph.py).
 
 Data parallelism (train.parallel, with more than one process): ddp wraps the model in
 DistributedDataParallel; fsdp shards it in place with FSDP2 (`fully_shard` per block, then the
@@ -62,7 +62,7 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         model.layers[index] = block
 
 
-def check_cuda_graph_support(tcfg, device: torch.device, world_size: int) -> None:
+def check_cuda_graph_support(device: torch.device, world_size: int) -> None:
     """train.cuda_graph=true needs what the capture supports (training/cuda_graph.py)."""
     if device.type != "cuda":
         raise ValueError(
@@ -161,7 +161,7 @@ class Trainer:
         )
         self.graphed = None
         if tcfg.cuda_graph:
-            check_cuda_graph_support(tcfg, self.device, info.world_size)
+            check_cuda_graph_support(self.device, info.world_size)
             from training.cuda_graph import GraphedMicroStep
 
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -264,29 +264,36 @@ class Trainer:
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
         return ce + l1_coef * out.l1, ce, out
 
+    def _add_micro(self, ce: torch.Tensor, l1: torch.Tensor, stats) -> None:
+        self._ce_sum += ce
+        self._l1_sum += l1
+        self.tracker.add(stats)
+
     def train_step(self) -> None:
         """One optimizer step over grad_accum micro-batches of this rank."""
         lr = set_lr(self.optimizer, self.job.optim, self.step, self.total_steps)
         l1_coef = l1_coef_at(self.step, self.job.sparsity)
-        batches = [self._next_batch() for _ in range(self.grad_accum)]
-        results = None
+        replayed = None
         if self.graphed is not None:
+            # The step's micro-batches up front: an eager redo after a capacity miss needs them again.
+            batches = [self._next_batch() for _ in range(self.grad_accum)]
             routing = tuple(ffn._sparse_now for ffn in self.ffns)
             check = (self.step + 1) % self.job.model.twell_check_interval == 0
-            results = self.graphed.run_step(batches, l1_coef, routing, check_sizes=check)
-            if results is None:  # a TwELL layer's entries did not fit: nothing of it is kept
+            replayed = self.graphed.run_step(batches, l1_coef, routing, check_sizes=check)
+            if replayed is None:  # a TwELL layer's entries did not fit: nothing of the replays is kept
                 self.graphed.zero_grads()
-        if results is None:
-            results = []
+        else:
+            # One at a time, as they are needed: the host's data work overlaps the GPU's.
+            batches = (self._next_batch() for _ in range(self.grad_accum))
+        if replayed is not None:
+            for ce, l1, stats in replayed:
+                self._add_micro(ce, l1, stats)
+        else:
             for micro, (input_ids, labels) in enumerate(batches):
                 with self._grad_sync(micro == self.grad_accum - 1):
                     loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
                     (loss / self.grad_accum).backward()
-                results.append((ce.detach(), out.l1.detach(), out.stats))
-        for ce, l1, stats in results:
-            self._ce_sum += ce
-            self._l1_sum += l1
-            self.tracker.add(stats)
+                self._add_micro(ce.detach(), out.l1.detach(), out.stats)
         # max_norm=inf measures without clipping when clipping is off.
         clip = self.job.train.grad_clip or float("inf")
         grad_norm = clip_grad_norm(list(self.model.parameters()), clip)

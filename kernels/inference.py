@@ -1,14 +1,21 @@
-"""Fused TwELL inference FFN: y = sum_j relu(g_j) * (x . w_up[j]) * w_down[j], h never in memory.
+"""TwELL inference FFN: y = sum_j relu(g_j) * (x . w_up[j]) * w_down[j], no autograd, no host sync.
 
-Schedule: one program per token row walks its TwELL entries on CUDA cores, gathering w_up[j] and
-w_down[j] for each active unit (the paper's reference schedule); overflow tiles (more positives than
-slots) are recomputed densely from x and w_gate inside the program.
+Two schedules (`schedule=`; the default picks by batch size):
+- "row" (decode sizes, 1-64 tokens): the gate kernel writes the TwELL format from its epilogue and one
+  program per token row (split over several programs at decode sizes) walks its TwELL entries on CUDA
+  cores, gathering w_up[j] and w_down[j] per active unit (the paper's reference schedule); overflow
+  tiles (more positives than slots) are recomputed densely from x and w_gate inside the program. h is
+  never in memory.
+- "csr" (above 64 tokens): the relu GEMM writes h densely with a positive bitmask; the bitmask is
+  compacted into a CSR of the positives (kernels/train_format.py, no host sync: a fixed capacity) and
+  the training op's row kernel walks each row's contiguous entries (kernels/train_rowfwd.py). Rows
+  whose entries run past the capacity read the rest from h. Faster at large batches: no tile walk.
 
-Hot units (large batches, `hot_units=K`): the K units that fire most often in this batch (counted
-exactly from the gate GEMM's positive bitmask, chosen by one selection kernel on the GPU) are computed
-densely on tensor cores,
+Hot units (`hot_units=K`; by default only the row schedule from HOT_MIN_TOKENS tokens): the K units
+that fire most often in this batch (counted exactly from the gate GEMM's positive bitmask, chosen by
+one selection kernel on the GPU) are computed densely on tensor cores,
 y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]; the compaction leaves those columns out of the
-TwELL entries and counts, and the row consumer starts from y_hot. Exact for any choice of hot set.
+sparse entries, and the row kernels start from y_hot. Exact for any choice of hot set.
 (The "block" union schedule lost everywhere on the H200 and was removed.)
 NOTES.md has the arithmetic.
 """
@@ -322,14 +329,14 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row" or "csr" (see SCHEDULES; None: row at decode sizes or when a TwELL option below is
-    given, csr otherwise). slots / tile_n:
-    TwELL format of the row schedule (see kernels.gate); split: programs per row of its consumer (None:
-    several at decode sizes, where few rows must fill the GPU; 1 otherwise). hot_units: K units computed
-    densely on tensor cores (0: off; None: none for csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on
-    for row; ignored at decode sizes on a GPU). With return_stats=True returns (y, InferenceStats): overflow_rows counts
-    the rows whose positives did not all fit the format (row: a tile past its slots; csr: entries past
-    the CSR's capacity), each computed exactly on its overflow path.
+    schedule: "row" or "csr" (see the module doc; None: row at decode sizes or when a TwELL option
+    below is given, csr otherwise). slots / tile_n: TwELL format of the row schedule (see kernels.gate);
+    split: programs per row of its consumer (None: several at decode sizes, where few rows must fill
+    the GPU; 1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: none for
+    csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on for row; ignored at decode sizes on a GPU).
+    With return_stats=True returns (y, InferenceStats): overflow_rows counts the rows whose positives
+    did not all fit the format (row: a tile past its slots; csr: entries past the CSR's capacity),
+    each computed exactly on its overflow path.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
@@ -351,9 +358,9 @@ def twell_ffn_inference(
 
 
 def csr_capacity(M: int, F: int) -> int:
-    """Entry slots of the csr schedule: 1/32 of d_ff per row on average (176 at 5632, ~6x the paper's
-    ~29 active units before the hot units take ~75% of them; 6 bytes a slot). Positives past it are
-    read from the dense h by the row kernel: exact, slower, counted in overflow_rows."""
+    """Entry slots of the csr schedule: 1/32 of d_ff per row on average (176 at 5632: ~6x the paper's
+    ~29 active units per token; 6 bytes a slot). Positives past it are read from the dense h by the
+    row kernel: exact, slower, counted in overflow_rows."""
     return M * max(32, F // 32)
 
 

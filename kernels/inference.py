@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
-from .gate import _twell_gate, count_fires, relu_gate_bits, select_hot_units, twell_gate_hot
-from .train_format import build_pattern
+from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
+from .train_format import build_pattern, hot_split
 from .train_rowfwd import row_ffn_inference
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
@@ -371,16 +371,12 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats):
     # d_ff 5632, hot 0 / 1024: 1.082 / 1.072 ms at 16384 tokens, 7.694 / 7.858 ms at 131072; NOTES.md).
     K = min(0 if hot_units is None else hot_units, F)
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
-    hot_idx = hot_pos = split = g_hot = None
-    if K:
-        hot_idx, hot_pos, hot_bits = select_hot_units(count_fires(bits), K)
-        g_hot = torch.zeros(M, K, dtype=x.dtype, device=x.device)
-        split = (hot_pos, hot_bits, g_hot)
+    hot_idx, split = hot_split(count_fires(bits), K, x) if K else (None, None)
     capacity = csr_capacity(M, F)
     pat = build_pattern(h, bits, split, capacity, inference=True)
     del bits
-    y_hot = _hot_y(x, w_up, w_down, hot_idx, g_hot) if K else None
-    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, hot_pos, y_hot)
+    y_hot = _hot_y(x, w_up, w_down, hot_idx, split[2]) if K else None
+    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, split[0] if K else None, y_hot)
     if not return_stats:
         return y, None
     return y, InferenceStats((pat.row_ptr[1:] > capacity).sum(dtype=torch.int32))

@@ -33,10 +33,10 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device
-from .gate import count_fires, relu_gate_bits, select_hot_units
+from .gate import count_fires, relu_gate_bits
 from .inference import default_hot_units
 from .reference import FFNOutput
-from .train_format import build_pattern, to_csc
+from .train_format import build_pattern, hot_split, to_csc
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
@@ -186,9 +186,8 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
     h, bits = relu_gate_bits(x, w_gate)
     fires = count_fires(bits)
     if K:  # hot columns go to g_hot (dense), the cold ones to the CSR
-        hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
-        g_hot = torch.zeros(x.shape[0], K, dtype=x.dtype, device=x.device)
-        split = (hot_pos, hot_bits, g_hot)
+        hot_idx, split = hot_split(fires, K, x)
+        g_hot = split[2]
     else:
         hot_idx = torch.empty(0, dtype=torch.int64, device=x.device)
         g_hot = x.new_empty(0, 0)
@@ -372,7 +371,7 @@ def twell_ffn(
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
     M, K = x.shape[0], hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
-    # Sized from this layer's last call (no host sync, see _sparse_forward); a torch.compile'd graph
+    # Sized from this layer's last call (no host sync, see SIZES); a torch.compile'd graph
     # takes the exact path (its trace must not depend on history).
     track = not torch.compiler.is_compiling()
     capacity = 0

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .gate import _popc32, _scatter_hot, load_bit_words
+from .gate import _popc32, _scatter_hot, load_bit_words, select_hot_units
 
 
 class PendingTotals:
@@ -147,6 +147,15 @@ _tuned_compact_csr = triton.autotune(
     configs=[triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))],
     key=["M_BUCKET", "F", "HOT"],
 )(_compact_csr_kernel)
+
+
+def hot_split(fires: torch.Tensor, K: int, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The batch's K most-firing units (select_hot_units on the per-unit positive counts `fires`) as
+    build_pattern's `hot` argument: (hot_idx int64 [K], (hot_pos, hot_bits, g_hot)), g_hot a zero-filled
+    [M, K] in `like`'s dtype and device (M = like's rows) that the compaction fills with hot positives."""
+    hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
+    g_hot = torch.zeros(like.shape[0], K, dtype=like.dtype, device=like.device)
+    return hot_idx, (hot_pos, hot_bits, g_hot)
 
 
 def build_pattern(

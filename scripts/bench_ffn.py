@@ -15,7 +15,10 @@ schedule (M > 64: --schedules, "csr" the default and "row" the TwELL consumer) a
 relu+bitmask GEMM alone), 'hmm' = the two hot GEMMs; 'sparse' = FFN - gate - hmm (csr: everything
 after the GEMM but the hot GEMMs: count, selection, CSR build, row kernel), with the GB/s the weight
 rows of the cold pairs would need if no two tokens shared one. Every configuration is checked row by row against a float32 reference (max
-relative error per row < 1e-2). Small batches run under CUDA graphs.
+relative error per row < 1e-2). Small batches run under CUDA graphs, timed twice: one FFN per graph
+(the graph's launch cost charged to that one FFN) and, per layer, --graph-layers FFNs on their own
+weight copies in one graph, as a captured decode step of a model holds its layers ('dense/L',
+'twell/L', 'x L').
 """
 
 from __future__ import annotations
@@ -64,6 +67,28 @@ def timed(fn, use_graph: bool, rep_ms: int) -> float:
         torch.cuda.synchronize()
         return triton.testing.do_bench(graph.replay, rep=rep_ms, return_mode="median")
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
+
+
+def timed_layers(call, n_layers: int, rep_ms: int) -> float:
+    """Median ms per layer of one CUDA graph that holds `call(i)` for i = 0 .. n_layers - 1, each
+    layer on its own weights, as a captured decode step of a model holds its layers: the fixed cost
+    of launching a graph is shared by the layers instead of charged to one FFN, while every kernel
+    boundary inside the graph still counts. do_bench flushes L2 before each replay, and each layer's
+    weights are its own memory, so no layer reads another's from cache."""
+    import triton
+
+    for i in range(n_layers):  # compile / autotune outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call(0)
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(n_layers):
+                call(i)
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, rep=rep_ms, return_mode="median") / n_layers
 
 
 def kernel_times(fn) -> tuple[list[dict], float]:
@@ -142,6 +167,15 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
         dense_ms = timed(lambda: dense_ffn(pick(), w_gate, w_up, w_down), graph, args.rep)
         comp_ms = timed(lambda: compiled(pick(), w_gate, w_up, w_down), graph, args.rep) if compiled else None
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
+        # Decode inside a captured model step: n layers' FFNs in one graph (distinct weight copies).
+        layers = None
+        if graph and args.graph_layers > 1:
+            layers = [(w_gate, w_up, w_down)] + [
+                tuple(w.clone() for w in (w_gate, w_up, w_down)) for _ in range(args.graph_layers - 1)
+            ]
+        dense_layer_ms = (
+            timed_layers(lambda i: dense_ffn(x, *layers[i]), len(layers), args.rep) if layers else None
+        )
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) for s in args.decode_splits]
         else:
@@ -165,6 +199,11 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             del y
             ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
+            layer_ms = None
+            if layers:
+                layer_ms = timed_layers(
+                    lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
+                )
             name = f"{kw['schedule']}{K}" if "hot_units" in kw else f"s{kw['split']}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
@@ -190,6 +229,10 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                     sparse_ms=sparse_ms,
                     speedup=dense_ms / ms,
                     speedup_vs_compiled=(comp_ms / ms) if comp_ms else None,
+                    graph_layers=len(layers) if layers else None,
+                    dense_layer_ms=dense_layer_ms,
+                    twell_layer_ms=layer_ms,
+                    speedup_layers=(dense_layer_ms / layer_ms) if layers else None,
                     sparse_tflops=4.0 * D * cold_pairs / (sparse_ms * 1e9),
                     sparse_gbs=2.0 * D * x.element_size() * cold_pairs / (sparse_ms * 1e6),
                     useful_tflops_total=flops_sparse / (ms * 1e9),
@@ -200,6 +243,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 )
             )
         del pre
+        layers = None  # free the weight copies
         return rows
 
 
@@ -207,7 +251,7 @@ def print_table(rows):
     head = (
         f"{'tokens':>7} {'d_ff':>5} {'variant':>8} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
         f"{'x dense':>7} {'gate':>7} {'hgate':>7} {'hmm':>7} {'sparse':>7} {'hot%':>5} {'sp GB/s':>7} "
-        f"{'ovf':>4} {'maxerr':>8} ok"
+        f"{'ovf':>4} {'maxerr':>8} ok {'L':>2} {'dense/L':>8} {'twell/L':>8} {'x L':>5}"
     )
     print(head)
     opt = lambda v, fmt: f"{v:{fmt}}" if v is not None else f"{'-':>{fmt.split('.')[0]}}"  # noqa: E731
@@ -217,7 +261,9 @@ def print_table(rows):
             f"{opt(r['compiled_ms'], '8.3f')} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} "
             f"{opt(r['hot_gate_ms'], '7.3f')} {opt(r['hot_mm_ms'], '7.3f')} {r['sparse_ms']:7.3f} "
             f"{100 * r['hot_share']:5.1f} {r['sparse_gbs']:7.0f} {r['overflow_rows']:>4} "
-            f"{r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else 'NO'}",
+            f"{r['max_row_rel_err']:8.2e} {'yes' if r['correct'] else ' NO'} {r.get('graph_layers') or '-':>2} "
+            f"{opt(r.get('dense_layer_ms'), '8.4f')} {opt(r.get('twell_layer_ms'), '8.4f')} "
+            f"{opt(r.get('speedup_layers'), '5.2f')}",
             flush=True,
         )
 
@@ -233,6 +279,12 @@ def main(argv=None):
     p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
     p.add_argument(
         "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
+    )
+    p.add_argument(
+        "--graph-layers",
+        type=int,
+        default=8,
+        help="M <= 64: also time L layers' FFNs (own weight copies) in one CUDA graph, per layer (1: off)",
     )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
     p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")

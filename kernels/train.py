@@ -39,19 +39,17 @@ from .reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
-from .train_sparse import ONE, SPLIT2, SPLIT3, column_grads, entry_grads, segment_axpy
+from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
 #             rows and writes all three weight gradients.
 #   "split":  as fused3, but dW_gate/dW_up (x pass) and dW_down (dy pass) in two lighter passes.
-#   "columns": the entry gradients inside the column pass (CSC of the forward's values; each entry's dy
-#             row and w_down row are gathered once, not twice), then the dx row pass.
 #   "auto" (default): the measured best on an H200: split from 65536 tokens without hot units (round
 #             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
 #             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
 #             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
-BACKWARD_VARIANTS = ("fused3", "split", "columns")
+BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
 # and checks the true count once the forward is issued (no host sync while the gate runs; a call that
@@ -263,31 +261,19 @@ def _backward_impl(
     variant = _settings["backward"]
     if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
         variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
+    # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
+    # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
+    d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, grad_l1, M)
     dx = torch.empty_like(x)
+    row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
+    # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
+    col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    if variant == "columns":
-        # CSC of the forward's values (stable sort: each column's rows stay in order, deterministic
-        # sums); one column pass computes every entry's gradients where it holds dy[row] and w_down[col]
-        # anyway, writes them at their row-major slots and sums the weight gradients; then dx by rows.
-        col_ptr, rows_by_col, (gate_c, up_c), order = to_csc(rows, cols, (gate, up), F)
-        d_gate, d_up = torch.empty(2, rows.numel(), device=x.device, dtype=torch.float32).unbind()
-        column_grads(
-            col_ptr, rows_by_col, order, gate_c, up_c, x, dy, w_down, grad_l1, M, d_gate, d_up,
-            (dw_gate, dw_up, dw_down),
-        )  # fmt: skip
-        row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
+    if variant == "fused3":
+        segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
-        # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx,
-        # the longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
-        d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, grad_l1, M)
-        row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
-        # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
-        col_ptr, rows_by_col, coefs, _ = to_csc(rows, cols, (d_gate, d_up, h), F)
-        if variant == "fused3":
-            segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
-        else:
-            segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
-            segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
+        segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
+        segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
     if hot_idx.numel():
         _hot_backward(dy, grad_l1, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down

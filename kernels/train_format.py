@@ -233,7 +233,7 @@ def build_pattern(
 @triton.jit
 def _permute_kernel(
     order_ptr, rows_ptr, cols_ptr, a_ptr, b_ptr, c_ptr, o_rows_ptr, o_cols_ptr, o_a_ptr, o_b_ptr, o_c_ptr, n,
-    N_COEFS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -241,10 +241,8 @@ def _permute_kernel(
     tl.store(o_rows_ptr + offs, tl.load(rows_ptr + src, mask=ok, other=0), mask=ok)
     tl.store(o_cols_ptr + offs, tl.load(cols_ptr + src, mask=ok, other=0), mask=ok)
     tl.store(o_a_ptr + offs, tl.load(a_ptr + src, mask=ok, other=0.0), mask=ok)
-    if N_COEFS > 1:
-        tl.store(o_b_ptr + offs, tl.load(b_ptr + src, mask=ok, other=0.0), mask=ok)
-    if N_COEFS > 2:
-        tl.store(o_c_ptr + offs, tl.load(c_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(o_b_ptr + offs, tl.load(b_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(o_c_ptr + offs, tl.load(c_ptr + src, mask=ok, other=0.0), mask=ok)
 
 
 _units_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -253,35 +251,27 @@ _units_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 def to_csc(
     rows: torch.Tensor,
     cols: torch.Tensor,
-    coefs: tuple[torch.Tensor, ...],
+    coefs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     n_cols: int,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-    """Entries regrouped by column: (col_ptr int32 [n_cols + 1], rows by column, the 1-3 per-entry
-    arrays of `coefs` by column, and `order`, int64: the row-major index of each column-major entry).
-    A stable sort, so each column's rows stay in row order (deterministic column sums); column starts
-    by binary search in the sorted columns (no host sync, no atomics); the gathers in one kernel.
-    Entries with column >= n_cols (unused slots of a fixed-size list) sort past every column."""
-    if not 1 <= len(coefs) <= 3:
-        raise ValueError(f"to_csc permutes 1 to 3 per-entry arrays, got {len(coefs)}")
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Entries regrouped by column: (col_ptr int32 [n_cols + 1], rows by column, the three coefficient
+    arrays by column). A stable sort, so each column's rows stay in row order (deterministic column
+    sums); column starts by binary search in the sorted columns (no host sync, no atomics); the five
+    gathers in one kernel."""
     device, n = cols.device, cols.numel()
     # 16-bit keys when the columns fit (d_ff < 32767): the radix sort makes two passes instead of four.
     keys = cols.to(torch.int16) if n_cols < torch.iinfo(torch.int16).max else cols
     order = torch.argsort(keys, stable=True)
     out_rows, out_cols = torch.empty(2, n, device=device, dtype=rows.dtype).unbind()  # one allocation each
-    if all(c.dtype == coefs[0].dtype for c in coefs):
-        out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
-    else:
-        out = tuple(torch.empty_like(c) for c in coefs)
+    out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
     if n:
         block = 1024
-        pad = (coefs[0],) * (3 - len(coefs))
         _permute_kernel[(triton.cdiv(n, block),)](
-            order, rows, cols, *coefs, *pad, out_rows, out_cols, *out, *(out[0],) * len(pad), n,
-            N_COEFS=len(coefs), BLOCK=block, num_warps=4,
-        )  # fmt: skip
+            order, rows, cols, *coefs, out_rows, out_cols, *out, n, BLOCK=block, num_warps=4
+        )
     key = (n_cols, device)
     units = _units_cache.get(key)
     if units is None:
         units = _units_cache[key] = torch.arange(n_cols + 1, device=device, dtype=torch.int32)
     col_ptr = torch.searchsorted(out_cols, units, out_int32=True)
-    return col_ptr, out_rows, out, order
+    return col_ptr, out_rows, out

@@ -365,7 +365,7 @@ def test_to_csc_groups_entries_by_column_stably():
     rows = torch.arange(n, dtype=torch.int32) // 3
     cols = torch.randint(0, F - 5, (n,), dtype=torch.int32)  # the last columns stay empty
     coefs = tuple(torch.randn(n) for _ in range(3))
-    col_ptr, rows_c, coefs_c, order_c = to_csc(
+    col_ptr, rows_c, coefs_c = to_csc(
         *(t.to(DEVICE) for t in (rows, cols)), tuple(c.to(DEVICE) for c in coefs), F
     )
     order = torch.argsort(cols, stable=True)
@@ -374,58 +374,6 @@ def test_to_csc_groups_entries_by_column_stably():
     assert torch.equal(rows_c.cpu(), rows[order])
     for got, c in zip(coefs_c, coefs):
         assert torch.equal(got.cpu(), c[order])
-    assert torch.equal(order_c.cpu(), order)
-    # one array, or several of different dtypes
-    _, _, (gate_c, up_c), _ = to_csc(
-        rows.to(DEVICE), cols.to(DEVICE), (coefs[0].to(DEVICE, torch.bfloat16), coefs[1].to(DEVICE)), F
-    )
-    assert gate_c.dtype == torch.bfloat16 and torch.equal(up_c.cpu(), coefs[1][order])
-    assert torch.equal(gate_c.cpu(), coefs[0].bfloat16()[order])
-
-
-@pytest.mark.parametrize("l1", [0.0, 3e-4])
-def test_column_grads_give_the_entry_and_weight_gradients(l1):
-    """The one column pass of the "columns" backward against float64: every entry's d_gate and d_up at
-    its row-major slot and the three weight gradients, with columns long enough to be split into
-    partial sums (chunk 8), empty columns, u = 0 entries and unused slots (gate 0, column F) sorted past
-    every column; output buffers poisoned first."""
-    from kernels.train_format import to_csc
-    from kernels.train_sparse import column_grads
-
-    M, D, F, n, unused = 13, 64, 11, 90, 5
-    rows = torch.sort(torch.randint(0, M, (n,), dtype=torch.int32)).values
-    cols = torch.randint(0, F - 2, (n,), dtype=torch.int32)  # the last two columns stay empty
-    cols[:30] = 3  # one long column: several chunks of 8
-    gate = torch.rand(n).add(0.05).to(torch.bfloat16)
-    up = torch.randn(n)
-    up[5:9] = 0.0
-    rows = torch.cat([rows, torch.zeros(unused, dtype=torch.int32)])
-    cols = torch.cat([cols, torch.full((unused,), F, dtype=torch.int32)])
-    gate = torch.cat([gate, torch.zeros(unused, dtype=torch.bfloat16)])
-    up = torch.cat([up, torch.zeros(unused)])
-    x, dy, wd = (torch.randn(r, D, dtype=torch.bfloat16) for r in (M, M, F))
-    grad_l1 = torch.tensor(l1)
-    col_ptr, rows_c, (gate_c, up_c), order = to_csc(
-        rows.to(DEVICE), cols.to(DEVICE), (gate.to(DEVICE), up.to(DEVICE)), F
-    )
-    d_gate, d_up = (torch.full((n + unused,), float("nan"), device=DEVICE) for _ in range(2))
-    outs = tuple(torch.full((F, D), float("nan"), device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    column_grads(
-        col_ptr, rows_c, order, gate_c, up_c, *(t.to(DEVICE) for t in (x, dy, wd, grad_l1)), M, d_gate, d_up,
-        outs, chunk=8,
-    )  # fmt: skip
-    r, c = rows[:n].long(), cols[:n].long()
-    g, u = gate[:n].double(), up[:n].double()
-    h = g * u
-    dh = (dy.double()[r] * wd.double()[c]).sum(1) + l1 / M * torch.sign(h)
-    torch.testing.assert_close(d_gate[:n].cpu().double(), dh * u, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(d_up[:n].cpu().double(), dh * g, rtol=1e-5, atol=1e-5)
-    expected = [
-        torch.zeros(F, D, dtype=torch.float64).index_add_(0, c, coef[:, None] * src.double()[r])
-        for coef, src in ((dh * u, x), (dh * g, x), (h, dy))
-    ]
-    for out, ref in zip(outs, expected):
-        torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("l1", [0.0, 3e-4])
@@ -574,9 +522,7 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
         kt.set_sizes("sometimes")
 
 
-@pytest.mark.parametrize(
-    "hot,variant", [(0, "fused3"), (16, "fused3"), (0, "split"), (0, "columns"), (16, "columns")]
-)
+@pytest.mark.parametrize("hot,variant", [(0, "fused3"), (16, "fused3"), (0, "split")])
 def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, variant):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
     size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;

@@ -73,7 +73,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile each transformer block
-    # Replay each micro-batch's forward + backward from one CUDA graph (one process on a GPU; see
+    # Replay each micro-batch's forward + backward from one CUDA graph (a GPU; one process or DDP; see
     # training/cuda_graph.py): no per-kernel host cost, which bounds an eager TwELL step.
     cuda_graph: bool = False
     activation_checkpointing: bool = False  # recompute each block in the backward pass

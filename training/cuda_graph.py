@@ -23,8 +23,15 @@ one sync) finds a TwELL layer whose capacity is more than twice what it now need
 early in training, while activations are still dense, would otherwise keep sizing every sparse kernel
 (their work follows the capacity inside a graph) long after the layer turned sparse.
 
-Limits (checked in Trainer, each with its message): a CUDA device, one process (DDP/FSDP2 gradient
-reduction is not captured), no torch.compile and no activation checkpointing.
+Under DDP (`torchrun`, train.parallel=ddp): the graph holds the plain model's micro-batch, no
+collective. The static gradients are views into one flat buffer per dtype; after the step's replays
+the ranks agree on misses (one all-reduce of the miss count: a miss on any rank redoes the step
+eagerly on every rank, through DDP) and all-reduce the flat buffers (average), then clip and step as
+DDP would. The reduction is not overlapped with the backward, as DDP's buckets are: one all-reduce of
+the gradients per step, after the last micro-batch.
+
+Limits (checked in Trainer, each with its message): a CUDA device, one process or DDP (FSDP2's
+gathers and reduce-scatters are not captured), no torch.compile and no activation checkpointing.
 """
 
 from __future__ import annotations
@@ -49,11 +56,21 @@ class GraphedMicroStep:
     `run_step` returns per micro-batch (ce, l1, stats) copies, or None when a TwELL layer's entries did
     not fit (the caller redoes the step eagerly; the gradients hold garbage and must be zeroed)."""
 
-    def __init__(self, params: list[nn.Parameter], loss_fn: Callable, grad_accum: int, device: torch.device):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        loss_fn: Callable,
+        grad_accum: int,
+        device: torch.device,
+        world_size: int = 1,
+    ):
         import kernels.train as kt  # CUDA only: triton is there
 
         self._kt = kt
         self.params, self.loss_fn, self.grad_accum, self.device = params, loss_fn, grad_accum, device
+        self.world_size = world_size  # > 1: DDP; the gradients are all-reduced after the replays
+        self._flats: list[torch.Tensor] = []  # DDP: the static gradients' storage, one buffer per dtype
+        self._grad_views: list[torch.Tensor] = []  # DDP: the parameters' .grad views into _flats
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0  # graphs captured so far
         self.redone_steps = 0  # steps redone eagerly after a capacity miss
@@ -94,6 +111,8 @@ class GraphedMicroStep:
             results.append(
                 (ce.clone(), l1.clone(), type(stats)(**{k: _copy(v) for k, v in vars(stats).items()}))
             )
+        if self.world_size > 1:  # every rank redoes the step when one missed (DDP's redo is collective)
+            torch.distributed.all_reduce(misses, op=torch.distributed.ReduceOp.MAX)
         missed = int(misses)  # the step's one host sync, before anything is applied
         if missed:
             self.graph = None
@@ -104,6 +123,9 @@ class GraphedMicroStep:
                 missed,
             )
             return None
+        if self.world_size > 1:  # DDP's gradient average, one collective per flat buffer
+            for flat in self._flats:
+                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.AVG)
         if check_sizes and self._oversized():
             self.graph = None  # this step stands; the next one captures at the current counts
             log.info(
@@ -117,14 +139,36 @@ class GraphedMicroStep:
         entries = torch.cat([t for _, t in self._sizes]).tolist()
         return any(self._kt.oversized(cap, n) for (cap, _), n in zip(self._sizes, entries))
 
+    def _static_grads(self) -> None:
+        """Gradients for the graph to accumulate into, outside its memory pool. Under DDP, views into
+        one zeroed flat buffer per dtype (one all-reduce each), made anew unless every gradient is
+        already such a view; in one process, the existing tensors (zeros where there were none)."""
+        params = [p for p in self.params if p.requires_grad]
+        if self.world_size == 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
+        in_flats = {id(g) for g in self._grad_views}
+        if self._flats and all(p.grad is not None and id(p.grad) in in_flats for p in params):
+            return
+        self._flats, self._grad_views = [], []
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=self.device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                self._grad_views.append(p.grad)
+                offset += p.numel()
+            self._flats.append(flat)
+
     def _capture(self, batch: tuple[torch.Tensor, torch.Tensor], l1_coef: float) -> None:
         kt = self._kt
         self.graph = None
         self._ids, self._labels = (t.clone() for t in batch)
         self._l1_coef = torch.full((), l1_coef, dtype=torch.float32, device=self.device)
-        for p in self.params:  # static gradients, outside the graph's pool
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self._static_grads()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         sizes_mode = kt._settings["sizes"]

@@ -17,6 +17,7 @@ tensors and are read (one sync) every logging.log_interval steps.
 """
 
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -62,17 +63,18 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         model.layers[index] = block
 
 
-def check_cuda_graph_support(device: torch.device, world_size: int) -> None:
+def check_cuda_graph_support(device: torch.device, world_size: int, parallel: str = "ddp") -> None:
     """train.cuda_graph=true needs what the capture supports (training/cuda_graph.py)."""
     if device.type != "cuda":
         raise ValueError(
             f"train.cuda_graph=true needs a CUDA device, but this run trains on {device.type}; "
             "set train.cuda_graph=false (or train.device=cuda on a GPU machine)"
         )
-    if world_size > 1:
+    if world_size > 1 and parallel != "ddp":
         raise ValueError(
-            f"train.cuda_graph=true runs one process, but this run has {world_size}: DDP and FSDP2 "
-            "gradient reduction is not captured; set train.cuda_graph=false under torchrun"
+            f"train.cuda_graph=true with {world_size} processes needs train.parallel=ddp, not "
+            f"{parallel}: FSDP2's parameter gathers and gradient reduce-scatters are not captured; set "
+            "train.parallel=ddp or train.cuda_graph=false"
         )
 
 
@@ -161,11 +163,14 @@ class Trainer:
         )
         self.graphed = None
         if tcfg.cuda_graph:
-            check_cuda_graph_support(self.device, info.world_size)
+            check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
             from training.cuda_graph import GraphedMicroStep
 
             params = [p for p in self.model.parameters() if p.requires_grad]
-            self.graphed = GraphedMicroStep(params, self._micro_loss, self.grad_accum, self.device)
+            # The plain model, never the DDP wrapper: the graph holds no collective (the gradients are
+            # all-reduced after the replays; DDP's own hooks stay idle outside its forward).
+            graph_loss = functools.partial(self._micro_loss, model=self.model)
+            self.graphed = GraphedMicroStep(params, graph_loss, self.grad_accum, self.device, info.world_size)
         self._reset_window()
 
     # ------------------------------------------------------------------ state
@@ -256,11 +261,14 @@ class Trainer:
             self.logger.close()
         return records
 
-    def _micro_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef):
+    def _micro_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef, model: nn.Module | None = None
+    ):
         """One micro-batch's forward and loss: (loss, ce, model output). CE in fp32 over the logits
-        whatever the autocast dtype; l1_coef a float, or a device scalar under CUDA graphs."""
+        whatever the autocast dtype; l1_coef a float, or a device scalar under CUDA graphs. `model`:
+        the module to run (default: forward_model, the DDP wrapper under DDP)."""
         with self.autocast:
-            out = self.forward_model(input_ids)
+            out = (model or self.forward_model)(input_ids)
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
         return ce + l1_coef * out.l1, ce, out
 

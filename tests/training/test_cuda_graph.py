@@ -2,8 +2,13 @@
 capacity miss is redone eagerly (nothing wrong reaches the weights), and unsupported set-ups are
 refused with the fix."""
 
+import gc
+import os
+import socket
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 from trainer_helpers import compose_job, tiny_overrides
 
 import train
@@ -21,6 +26,16 @@ def test_cuda_graph_needs_a_cuda_device(offline_data, tmp_path):
     job = compose_job(tiny_overrides(offline_data, tmp_path, 1, "train.cuda_graph=true", "train.device=cpu"))
     with pytest.raises(ValueError, match="train.cuda_graph=true needs a CUDA device.*train.cuda_graph=false"):
         train.build_trainer(job)
+
+
+def test_cuda_graph_under_torchrun_needs_ddp():
+    """Several processes: DDP's gradient average runs after the replays; FSDP2 is refused with the fix."""
+    from training.trainer import check_cuda_graph_support
+
+    cuda = torch.device("cuda", 0)  # only its type is checked
+    check_cuda_graph_support(cuda, 2, "ddp")
+    with pytest.raises(ValueError, match="needs train.parallel=ddp, not fsdp.*or train.cuda_graph=false"):
+        check_cuda_graph_support(cuda, 2, "fsdp")
 
 
 def _run(offline_data, tmp_path, name, steps, *extra):
@@ -83,3 +98,60 @@ def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypa
     assert checked and all(cap >= n > 0 for cap, n in checked)
     for step in eager:
         assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step
+
+
+def _ddp_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
+    """One of 2 NCCL ranks: eager DDP, graphed DDP, and graphed DDP where rank 1's TwELL capacities are
+    far too small (its every graphed step misses, rank 0's do not); rank 0 saves the losses."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import kernels.train as kt
+    from training.distributed import destroy
+
+    seen = {}
+    try:
+        for name, extra in (
+            ("eager", ()),
+            ("graph", ("train.cuda_graph=true",)),
+            ("miss", ("train.cuda_graph=true",)),
+        ):
+            if name == "miss" and rank == 1:
+                kt._with_margin = lambda nnz: max(64, nnz // 4)
+            trainer = train.build_trainer(compose_job([*overrides, f"run_dir={out}/{name}", *extra]))
+            seen[name] = {r["step"]: r["loss"] for r in trainer.fit() if "loss" in r}
+            if trainer.graphed is not None:
+                seen[f"{name}_counts"] = (trainer.graphed.captures, trainer.graphed.redone_steps)
+            del trainer
+            gc.collect()  # DDP's reducer holds the process group
+    finally:
+        destroy()
+    if rank == 0:
+        torch.save(seen, os.path.join(out, "seen.pt"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("ffn_impl", ["dense", "twell"])
+def test_graphed_ddp_steps_match_eager_ddp_steps(offline_data, tmp_path, ffn_impl):
+    """2 NCCL ranks, 2 micro-batches each per step: the graphed steps (plain model in the graph, the
+    gradients averaged after the replays) give the eager DDP losses; a capacity miss on one rank only
+    makes both redo the step eagerly (through DDP), with the same losses."""
+    steps = 4
+    overrides = tiny_overrides(
+        offline_data, tmp_path, steps, "train.device=cuda", "train.parallel=ddp", "train.global_batch_tokens=512",
+        *SIZES, f"model.ffn_impl={ffn_impl}",
+    )  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(port, overrides, str(tmp_path)), nprocs=2, join=True)
+    seen = torch.load(tmp_path / "seen.pt", weights_only=False)
+    assert sorted(seen["eager"]) == list(range(1, steps + 1))
+    assert seen["graph_counts"] == (1, 0)
+    for name in ("graph", "miss"):
+        assert sorted(seen[name]) == sorted(seen["eager"]), name
+        for step, want in seen["eager"].items():
+            assert seen[name][step] == pytest.approx(want, rel=2e-3), (name, step)
+    if ffn_impl == "twell":  # rank 1 missed at every graphed step: each one redone, captured anew
+        assert seen["miss_counts"] == (steps, steps)

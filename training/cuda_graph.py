@@ -123,9 +123,10 @@ class GraphedMicroStep:
                 missed,
             )
             return None
-        if self.world_size > 1:  # DDP's gradient average, one collective per flat buffer
+        if self.world_size > 1:  # DDP's gradient average (divided first, as DDP does), one per buffer
             for flat in self._flats:
-                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.AVG)
+                flat.div_(self.world_size)
+                torch.distributed.all_reduce(flat)
         if check_sizes and self._oversized():
             self.graph = None  # this step stands; the next one captures at the current counts
             log.info(

@@ -100,14 +100,22 @@ def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypa
         assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step
 
 
-def _ddp_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
-    """One of 2 NCCL ranks: eager DDP, graphed DDP, and graphed DDP where rank 1's TwELL capacities are
-    far too small (its every graphed step misses, rank 0's do not); rank 0 saves the losses."""
+def _ddp_rank(rank: int, port: int, overrides: list[str], out: str, shared_gpu: bool) -> None:
+    """One of 2 ranks: eager DDP, graphed DDP, and graphed DDP where rank 1's TwELL capacities are far
+    too small (its every graphed step misses, rank 0's do not); rank 0 saves the losses. Each rank on
+    its own GPU (NCCL, as train.py sets it up), or both on GPU 0 with a gloo group (one-GPU machines)."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+        RANK=str(rank), LOCAL_RANK="0" if shared_gpu else str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )  # fmt: skip
+    import torch.distributed as dist
+
     import kernels.train as kt
     from training.distributed import destroy
+
+    if shared_gpu:  # NCCL wants a GPU per rank; init_distributed keeps a group that already exists
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
 
     seen = {}
     try:
@@ -131,12 +139,13 @@ def _ddp_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@GPU
 @pytest.mark.parametrize("ffn_impl", ["dense", "twell"])
 def test_graphed_ddp_steps_match_eager_ddp_steps(offline_data, tmp_path, ffn_impl):
-    """2 NCCL ranks, 2 micro-batches each per step: the graphed steps (plain model in the graph, the
-    gradients averaged after the replays) give the eager DDP losses; a capacity miss on one rank only
-    makes both redo the step eagerly (through DDP), with the same losses."""
+    """2 ranks (NCCL on 2 GPUs, else gloo with both on one GPU), 2 micro-batches each per step: the
+    graphed steps (plain model in the graph, the gradients averaged after the replays) give the eager
+    DDP losses; a capacity miss on one rank only makes both redo the step eagerly (through DDP), with
+    the same losses."""
     steps = 4
     overrides = tiny_overrides(
         offline_data, tmp_path, steps, "train.device=cuda", "train.parallel=ddp", "train.global_batch_tokens=512",
@@ -145,7 +154,8 @@ def test_graphed_ddp_steps_match_eager_ddp_steps(offline_data, tmp_path, ffn_imp
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_ddp_rank, args=(port, overrides, str(tmp_path)), nprocs=2, join=True)
+    shared_gpu = torch.cuda.device_count() < 2
+    mp.spawn(_ddp_rank, args=(port, overrides, str(tmp_path), shared_gpu), nprocs=2, join=True)
     seen = torch.load(tmp_path / "seen.pt", weights_only=False)
     assert sorted(seen["eager"]) == list(range(1, steps + 1))
     assert seen["graph_counts"] == (1, 0)

@@ -24,7 +24,9 @@ early in training, while activations are still dense, would otherwise keep sizin
 (their work follows the capacity inside a graph) long after the layer turned sparse.
 
 Under DDP (`torchrun`, train.parallel=ddp): the graph holds the plain model's micro-batch, no
-collective. The static gradients are views into one flat buffer per dtype; after the step's replays
+collective. DDP keeps its parameters' gradient accumulators alive, and they belong to the stream DDP
+was built on: the trainer builds it on a side stream, and the warm-ups, the capture and eager redos
+run there (a capture on another stream would be invalidated by the backward's stream sync). The static gradients are views into one flat buffer per dtype; after the step's replays
 the ranks agree on misses (one all-reduce of the miss count: a miss on any rank redoes the step
 eagerly on every rank, through DDP) and all-reduce the flat buffers (average), then clip and step as
 DDP would. The reduction is not overlapped with the backward, as DDP's buckets are: one all-reduce of
@@ -63,12 +65,16 @@ class GraphedMicroStep:
         grad_accum: int,
         device: torch.device,
         world_size: int = 1,
+        stream: torch.cuda.Stream | None = None,
     ):
         import kernels.train as kt  # CUDA only: triton is there
 
         self._kt = kt
         self.params, self.loss_fn, self.grad_accum, self.device = params, loss_fn, grad_accum, device
         self.world_size = world_size  # > 1: DDP; the gradients are all-reduced after the replays
+        # The stream of the warm-ups and the capture: DDP's (see Trainer), whose gradient accumulators
+        # it keeps alive belong to the stream it was built on; None: a new side stream each capture.
+        self.stream = stream
         self._flats: list[torch.Tensor] = []  # DDP: the static gradients' storage, one buffer per dtype
         self._grad_views: list[torch.Tensor] = []  # DDP: the parameters' .grad views into _flats
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -170,7 +176,7 @@ class GraphedMicroStep:
         self._ids, self._labels = (t.clone() for t in batch)
         self._l1_coef = torch.full((), l1_coef, dtype=torch.float32, device=self.device)
         self._static_grads()
-        side = torch.cuda.Stream(self.device)
+        side = self.stream or torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         sizes_mode = kt._settings["sizes"]
         try:
@@ -188,7 +194,8 @@ class GraphedMicroStep:
             self.zero_grads()
             kt.static_misses(self.device).zero_()
             graph = torch.cuda.CUDAGraph()
-            with kt.record_static_sizes() as recorded, torch.cuda.graph(graph):
+            capture_stream = dict(stream=self.stream) if self.stream is not None else {}
+            with kt.record_static_sizes() as recorded, torch.cuda.graph(graph, **capture_stream):
                 loss, ce, out = self.loss_fn(self._ids, self._labels, self._l1_coef)
                 (loss / self.grad_accum).backward()
         finally:

@@ -137,16 +137,24 @@ class Trainer:
             # As torchtitan: FSDP is applied only when there is more than one rank to shard over.
             log.info("train.parallel=fsdp with one process: nothing to shard, training the plain model")
         self.forward_model = self.model
+        self._graph_stream = None  # DDP under CUDA graphs: the stream DDP is built and captured on
         if self.sharded:
             shard_model(self.model, self.device)  # wrappers first, then fully_shard (as torchtitan)
         elif info.enabled:
-            # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
-            # broadcasting them every forward would be a wasted collective.
-            self.forward_model = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
-            )
+            if tcfg.cuda_graph:
+                check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
+                # DDP keeps each parameter's gradient accumulator alive, bound to the stream it is
+                # built on: a capture on any other stream fails. Built, captured and redone on one.
+                self._graph_stream = torch.cuda.Stream(self.device)
+                self._graph_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with self._on_graph_stream():
+                # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
+                # broadcasting them every forward would be a wasted collective.
+                self.forward_model = DistributedDataParallel(
+                    self.model,
+                    device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    broadcast_buffers=False,
+                )
         self.optimizer = build_optimizer(self.model, job.optim, self.device)
         mcfg = job.model
         self.tracker = ActivityTracker(mcfg.n_layers, mcfg.d_ff, self.device, job.sparsity.dead_window_tokens)
@@ -170,7 +178,9 @@ class Trainer:
             # The plain model, never the DDP wrapper: the graph holds no collective (the gradients are
             # all-reduced after the replays; DDP's own hooks stay idle outside its forward).
             graph_loss = functools.partial(self._micro_loss, model=self.model)
-            self.graphed = GraphedMicroStep(params, graph_loss, self.grad_accum, self.device, info.world_size)
+            self.graphed = GraphedMicroStep(
+                params, graph_loss, self.grad_accum, self.device, info.world_size, self._graph_stream
+            )
         self._reset_window()
 
     # ------------------------------------------------------------------ state
@@ -297,11 +307,12 @@ class Trainer:
             for ce, l1, stats in replayed:
                 self._add_micro(ce, l1, stats)
         else:
-            for micro, (input_ids, labels) in enumerate(batches):
-                with self._grad_sync(micro == self.grad_accum - 1):
-                    loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
-                    (loss / self.grad_accum).backward()
-                self._add_micro(ce.detach(), out.l1.detach(), out.stats)
+            with self._on_graph_stream():
+                for micro, (input_ids, labels) in enumerate(batches):
+                    with self._grad_sync(micro == self.grad_accum - 1):
+                        loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
+                        (loss / self.grad_accum).backward()
+                    self._add_micro(ce.detach(), out.l1.detach(), out.stats)
         # max_norm=inf measures without clipping when clipping is off.
         clip = self.job.train.grad_clip or float("inf")
         grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
@@ -328,6 +339,20 @@ class Trainer:
         self._grad_norm_sum += grad_norm.detach()
         self._window_steps += 1
         self._lr, self._l1_coef = lr, l1_coef
+
+    @contextlib.contextmanager
+    def _on_graph_stream(self):
+        """Run the block on DDP's stream under CUDA graphs (see __init__), ordered after and before the
+        current stream's work; a no-op otherwise."""
+        stream = self._graph_stream
+        if stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
 
     def _grad_sync(self, last: bool):
         """Gradients are reduced over ranks only after the last micro-batch of a step; before it they

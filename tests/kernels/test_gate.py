@@ -170,10 +170,12 @@ def test_select_hot_units_takes_the_k_largest_counts_lowest_column_first(F, K, p
         assert torch.equal(hot_bits, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
 
 
-@pytest.mark.parametrize("M,W", [(1, 2), (37, 6), (300, 11)])
-def test_count_fires_counts_every_set_bit(M, W, poisoned_empty):
+@pytest.mark.parametrize("M,W,full", [(1, 2, 0), (37, 6, 0), (300, 11, 0), (131, 3, 131)])
+def test_count_fires_counts_every_set_bit(M, W, full, poisoned_empty):
+    """Random words, a row with every bit set (sign bit included) and, last case, every bit of every
+    row set: counts past each 31-row group of the bit-sliced sum carry over."""
     bits = torch.randint(-(2**31), 2**31, (M, W), dtype=torch.int64).to(torch.int32)
-    bits[0] = -1  # every bit of a row set (sign bit included)
+    bits[: max(full, 1)] = -1
     unpacked = (bits.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1
     assert torch.equal(count_fires(bits), unpacked.sum(0).view(-1).to(torch.int32))
 

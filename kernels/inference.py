@@ -219,16 +219,26 @@ _tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", 
 )
 
 DECODE_MAX_TOKENS = 64
-# Programs per row of the consumer at decode sizes: 8 (H200, graph-replayed, d_ff 5632, partial rows
-# summed by the last program: split 8 / 16 gave 22 / 23 us at 1 token and 35 / 35 us at 64; NOTES.md).
-_settings = {"decode_split": 8}
+# Programs per row of the consumer at decode sizes (None: decode_split(M)); set_decode_split overrides.
+_settings: dict[str, int | None] = {"decode_split": None}
 
 
-def set_decode_split(split: int) -> None:
-    """Benchmark switch: programs per row of the consumer at decode sizes (M <= 64)."""
-    if split < 1:
-        raise ValueError(f"decode split={split} must be >= 1")
-    _settings["decode_split"] = int(split)
+def decode_split(M: int) -> int:
+    """Consumer programs per row at decode sizes (M <= DECODE_MAX_TOKENS), from H200 measurements
+    (d_ff 5632, partial rows summed by the last program, per layer in an 8-layer CUDA graph, us at
+    split 8 / 16: 1 token 20.2 / 21.0, 2: 17.8 / 18.8, 4: 22.0 / 19.9, 8: 21.2 / 19.4, 16: 26.7 / 22.8,
+    32: 24.0 / 23.1, 48: 28.7 / 27.2, 64: 28.3 / 29.3; split 32 never better; NOTES.md round 10):
+    16 from 4 to 48 tokens (too few rows to fill the SMs at 8), 8 otherwise."""
+    if _settings["decode_split"] is not None:
+        return _settings["decode_split"]
+    return 16 if 4 <= M <= 48 else 8
+
+
+def set_decode_split(split: int | None) -> None:
+    """Benchmark switch: programs per row of the consumer at decode sizes (M <= 64); None: the default."""
+    if split is not None and split < 1:
+        raise ValueError(f"decode split={split} must be >= 1 (None restores the default)")
+    _settings["decode_split"] = None if split is None else int(split)
 
 
 # Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES.md: a unit is
@@ -273,7 +283,7 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
     if hot_units:
         split = 1
     elif split is None:
-        split = _settings["decode_split"] if decode else 1
+        split = decode_split(M) if decode else 1
     # split > 1: per-row tickets of the consumer's programs, zeroed by the gate kernel
     tickets = torch.empty(M, dtype=torch.int32, device=x.device) if split > 1 else None
     if hot_units:

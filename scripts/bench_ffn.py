@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
-from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part  # noqa: E402
+from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
@@ -177,7 +177,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             timed_layers(lambda i: dense_ffn(x, *layers[i]), len(layers), args.rep) if layers else None
         )
         if M <= DECODE_MAX_TOKENS:
-            variants = [dict(split=s) for s in args.decode_splits]
+            variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
@@ -204,7 +204,10 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 layer_ms = timed_layers(
                     lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
                 )
-            name = f"{kw['schedule']}{K}" if "hot_units" in kw else f"s{kw['split']}"
+            if "hot_units" in kw:
+                name = f"{kw['schedule']}{K}"
+            else:  # "s16": split 16 given; "d16": the default, which picks 16 here
+                name = f"s{kw['split']}" if "split" in kw else f"d{decode_split(M)}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -278,7 +281,11 @@ def main(argv=None):
     p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
     p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
     p.add_argument(
-        "--decode-splits", type=int, nargs="*", default=[8], help="consumer programs per row, M <= 64"
+        "--decode-splits",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="consumer programs per row, M <= 64 (0: the default, kernels.inference.decode_split)",
     )
     p.add_argument(
         "--graph-layers",

@@ -197,3 +197,19 @@ def test_csr_schedule_rejects_twell_options():
     x, w = torch.randn(4, 64), torch.randn(128, 64)
     with pytest.raises(ValueError, match="slots=8 is a TwELL option of schedule='row'"):
         twell_ffn_inference(x, w, w, w, schedule="csr", slots=8)
+
+
+def test_decode_split_default_and_override():
+    """The consumer's programs per row at decode sizes: 16 from 4 to 48 tokens, 8 otherwise (H200
+    measurements in kernels.inference.decode_split); set_decode_split pins one, None restores it."""
+    from kernels.inference import decode_split, set_decode_split
+
+    assert [decode_split(M) for M in (1, 2, 3, 4, 16, 48, 49, 64)] == [8, 8, 8, 16, 16, 16, 8, 8]
+    set_decode_split(32)
+    try:
+        assert decode_split(1) == decode_split(16) == 32
+    finally:
+        set_decode_split(None)
+    assert decode_split(16) == 16
+    with pytest.raises(ValueError, match="decode split=0 must be >= 1"):
+        set_decode_split(0)

@@ -38,6 +38,40 @@ def test_cuda_graph_under_torchrun_needs_ddp():
         check_cuda_graph_support(cuda, 2, "fsdp")
 
 
+def test_ddp_static_gradients_are_views_into_one_flat_buffer_per_dtype():
+    """Under DDP the graph's gradients live in one flat buffer per dtype (one all-reduce each): every
+    parameter's .grad is a zeroed view into it, kept across captures, made anew once a .grad was
+    replaced (as an eager redo may); in one process each parameter keeps a tensor of its own."""
+    from training.cuda_graph import GraphedMicroStep
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.float32)
+    net[1].bias.data = net[1].bias.data.double()  # a second dtype
+    params = list(net.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    step = GraphedMicroStep(params, loss_fn=None, grad_accum=1, device=torch.device("cpu"), world_size=2)
+    step._static_grads()
+    assert [f.dtype for f in step._flats] == [torch.float32, torch.float64]
+    assert [f.numel() for f in step._flats] == [12 + 4 + 8, 2]
+    for p in params:
+        flat = step._flats[0] if p.dtype == torch.float32 else step._flats[1]
+        assert (
+            p.grad.shape == p.shape
+            and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        )
+        assert not p.grad.any()
+    flats = [f.data_ptr() for f in step._flats]
+    step._static_grads()  # all views already: kept
+    assert [f.data_ptr() for f in step._flats] == flats
+    params[0].grad = torch.zeros_like(params[0])  # replaced: views made anew
+    step._static_grads()
+    assert params[0].grad.untyped_storage().data_ptr() == step._flats[0].untyped_storage().data_ptr()
+    one = GraphedMicroStep(params[:1], loss_fn=None, grad_accum=1, device=torch.device("cpu"))
+    params[0].grad = None
+    one._static_grads()
+    assert one._flats == [] and params[0].grad is not None and not params[0].grad.any()
+
+
 def _run(offline_data, tmp_path, name, steps, *extra):
     job = compose_job(tiny_overrides(offline_data, tmp_path / name, steps, "train.device=cuda", *extra))
     trainer = train.build_trainer(job)

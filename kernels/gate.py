@@ -999,27 +999,29 @@ _FIRE_GROUP = 31
 
 
 @triton.jit
-def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.constexpr):
+def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.constexpr, GROUP: tl.constexpr):
     """fires[c] += positives of column c over this program's ROWS rows, from the positive bitmask
     bits [M, W] (W = F / 32 int32 words, bit c % 32 of word c // 32) that the dense_bits epilogue wrote.
 
-    Bit-sliced: per word, 31 rows are added into five bit planes (a ripple of ANDs and XORs: bit b of
-    planes 0-4 is column b's count in binary), ~10 logic operations a word instead of 32 shift-mask-adds;
-    the 32 counts are extracted once per 31 rows. One atomic per column per program."""
+    Bit-sliced: per word, GROUP (<= 31) rows are added into five bit planes (a ripple of ANDs and XORs:
+    bit b of planes 0-4 is column b's count in binary), ~10 logic operations a word instead of 32
+    shift-mask-adds; the 32 counts are extracted once per group. ROWS is a multiple of GROUP. One atomic
+    per column per program."""
+    tl.static_assert(GROUP <= 31, "five bit planes count to 31")
     r0 = tl.program_id(0) * ROWS
     ws = tl.program_id(1) * WB + tl.arange(0, WB)
     w_ok = ws < W
     lanes = tl.arange(0, 32).to(tl.uint32)
     acc = tl.zeros((WB, 32), dtype=tl.int32)
-    for g0 in range(0, ROWS, 31):
+    for g0 in range(0, ROWS, GROUP):
         p0 = tl.zeros((WB,), dtype=tl.uint32)
         p1 = tl.zeros((WB,), dtype=tl.uint32)
         p2 = tl.zeros((WB,), dtype=tl.uint32)
         p3 = tl.zeros((WB,), dtype=tl.uint32)
         p4 = tl.zeros((WB,), dtype=tl.uint32)
-        for j in tl.static_range(31):  # unrolled: the 31 row loads are independent and issue together
+        for j in tl.static_range(GROUP):  # unrolled: the group's row loads are independent, issued together
             row = r0 + g0 + j
-            ok = w_ok & (row < M) & (g0 + j < ROWS)
+            ok = w_ok & (row < M)
             w = tl.load(bits_ptr + row.to(tl.int64) * W + ws, mask=ok, other=0).to(tl.uint32, bitcast=True)
             carry = p0 & w
             p0 = p0 ^ w
@@ -1029,7 +1031,7 @@ def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.co
             p2 = p2 ^ w
             w = p3 & carry
             p3 = p3 ^ carry
-            p4 = p4 ^ w  # no carry out: at most 31 rows
+            p4 = p4 ^ w  # no carry out: at most 31 rows a group
         counts = (p0[:, None] >> lanes[None, :]) & 1
         counts += ((p1[:, None] >> lanes[None, :]) & 1) << 1
         counts += ((p2[:, None] >> lanes[None, :]) & 1) << 2
@@ -1049,7 +1051,9 @@ def count_fires(bits: torch.Tensor) -> torch.Tensor:
     # speed), but no more than 32 groups (the loop over groups is sequential).
     groups = 2 if interpreting() else max(1, min(32, cdiv(cdiv(M, _FIRE_GROUP) * cdiv(W, wb), 512)))
     rows = _FIRE_GROUP * groups
-    _count_fires_kernel[(cdiv(M, rows), cdiv(W, wb))](bits, fires, M, W, ROWS=rows, WB=wb, num_warps=2)
+    _count_fires_kernel[(cdiv(M, rows), cdiv(W, wb))](
+        bits, fires, M, W, ROWS=rows, WB=wb, GROUP=_FIRE_GROUP, num_warps=2
+    )
     return fires
 
 

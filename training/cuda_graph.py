@@ -26,11 +26,12 @@ early in training, while activations are still dense, would otherwise keep sizin
 Under DDP (`torchrun`, train.parallel=ddp): the graph holds the plain model's micro-batch, no
 collective. DDP keeps its parameters' gradient accumulators alive, and they belong to the stream DDP
 was built on: the trainer builds it on a side stream, and the warm-ups, the capture and eager redos
-run there (a capture on another stream would be invalidated by the backward's stream sync). The static gradients are views into one flat buffer per dtype; after the step's replays
-the ranks agree on misses (one all-reduce of the miss count: a miss on any rank redoes the step
-eagerly on every rank, through DDP) and all-reduce the flat buffers (average), then clip and step as
-DDP would. The reduction is not overlapped with the backward, as DDP's buckets are: one all-reduce of
-the gradients per step, after the last micro-batch.
+run there (a capture on another stream would be invalidated by the backward's stream sync). The
+static gradients are views into one flat buffer per dtype; after the step's replays the ranks agree
+on misses (one all-reduce of the miss count: a miss on any rank redoes the step eagerly on every
+rank, through DDP) and all-reduce the flat buffers (average), then clip and step as DDP would. The
+reduction is not overlapped with the backward, as DDP's buckets are: one all-reduce of the gradients
+per step, after the last micro-batch.
 
 Limits (checked in Trainer, each with its message): a CUDA device, one process or DDP (FSDP2's
 gathers and reduce-scatters are not captured), no torch.compile and no activation checkpointing.

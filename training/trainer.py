@@ -350,9 +350,11 @@ class Trainer:
             return
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            yield
-        current.wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            current.wait_stream(stream)
 
     def _grad_sync(self, last: bool):
         """Gradients are reduced over ranks only after the last micro-batch of a step; before it they

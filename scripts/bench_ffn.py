@@ -246,7 +246,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 )
             )
         del pre
-        layers = None  # free the weight copies
         return rows
 
 

@@ -119,6 +119,8 @@ class Trainer:
         self.job, self.info, self.device = job, info, info.device
         self.train_stream, self.evaluators = train_stream, list(evaluators)
         tcfg = job.train
+        if tcfg.cuda_graph:  # before anything is built: the set-ups a capture cannot hold are refused
+            check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
         self.grad_accum = tcfg.grad_accum(info.world_size)
         self.precision = resolve_precision(tcfg.precision, self.device)
         self.total_steps = tcfg.steps
@@ -142,7 +144,6 @@ class Trainer:
             shard_model(self.model, self.device)  # wrappers first, then fully_shard (as torchtitan)
         elif info.enabled:
             if tcfg.cuda_graph:
-                check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
                 # DDP keeps each parameter's gradient accumulator alive, bound to the stream it is
                 # built on: a capture on any other stream fails. Built, captured and redone on one.
                 self._graph_stream = torch.cuda.Stream(self.device)
@@ -171,7 +172,6 @@ class Trainer:
         )
         self.graphed = None
         if tcfg.cuda_graph:
-            check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
             from training.cuda_graph import GraphedMicroStep
 
             params = [p for p in self.model.parameters() if p.requires_grad]

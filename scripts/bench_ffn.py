@@ -56,16 +56,7 @@ def timed(fn, use_graph: bool, rep_ms: int) -> float:
     import triton
 
     if use_graph:
-        fn()  # compile / autotune outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            fn()
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(graph.replay, rep=rep_ms, return_mode="median")
+        return timed_layers(lambda _: fn(), 1, rep_ms)
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
 
 

@@ -77,7 +77,6 @@ class GraphedMicroStep:
         # it keeps alive belong to the stream it was built on; None: a new side stream each capture.
         self.stream = stream
         self._flats: list[torch.Tensor] = []  # DDP: the static gradients' storage, one buffer per dtype
-        self._grad_views: list[torch.Tensor] = []  # DDP: the parameters' .grad views into _flats
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0  # graphs captured so far
         self.redone_steps = 0  # steps redone eagerly after a capacity miss
@@ -157,19 +156,18 @@ class GraphedMicroStep:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             return
-        in_flats = {id(g) for g in self._grad_views}
-        if self._flats and all(p.grad is not None and id(p.grad) in in_flats for p in params):
-            return
-        self._flats, self._grad_views = [], []
+        if self._flats and all(p.grad is g for p, g in zip(self.params, self._grads)):
+            return  # still the views made last time
+        self._flats = []
         for dtype in dict.fromkeys(p.dtype for p in params):
             group = [p for p in params if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=self.device)
             offset = 0
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
-                self._grad_views.append(p.grad)
                 offset += p.numel()
             self._flats.append(flat)
+        self._grads = [p.grad for p in self.params]
 
     def _capture(self, batch: tuple[torch.Tensor, torch.Tensor], l1_coef: float) -> None:
         kt = self._kt

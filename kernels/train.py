@@ -59,15 +59,39 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # static call whose entries do not fit cannot be redone: it adds 1 to
 # static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
 SIZES = ("estimate", "exact", "static")
-_settings = {"backward": "auto", "hot_units": None, "sizes": "estimate"}
+# Headroom of a sized capacity over the entry count it is sized from (_with_margin). A CUDA graph's
+# owner captures with a wider one after capacity misses (capacity_headroom, training/cuda_graph.py).
+DEFAULT_HEADROOM = 0.125
+MAX_HEADROOM = 2.0
+_settings = {"backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM}
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _with_margin(nnz: int) -> int:
-    """Entry capacity for the next call after one with nnz entries: +1/8 + 2048 in 1024 steps (batches
-    of a layer differ by a few %; a miss costs one redone pass, an extra slot 16 bytes)."""
-    return (nnz + nnz // 8 + 2048) // 1024 * 1024
+    """Entry capacity for the next call after one with nnz entries: + headroom (1/8 by default) + 2048,
+    in 1024 steps (batches of a layer differ by a few %; a miss costs one redone pass, an extra slot 16
+    bytes)."""
+    return (nnz + int(nnz * _settings["headroom"]) + 2048) // 1024 * 1024
+
+
+@contextlib.contextmanager
+def capacity_headroom(frac: float):
+    """Capacities sized inside the block take `frac` of the entry count as headroom instead of
+    DEFAULT_HEADROOM (1/8). A graph's owner widens it after misses: early in training a layer's count
+    can swing by more than 1/8 from one step to the next, and each miss of a graphed step costs an
+    eager redo and a new capture."""
+    if not 0 <= frac <= MAX_HEADROOM:
+        raise ValueError(
+            f"capacity headroom {frac!r} is out of range: give a fraction of the entry count in "
+            f"[0, {MAX_HEADROOM}] (default {DEFAULT_HEADROOM})"
+        )
+    outer = _settings["headroom"]
+    _settings["headroom"] = float(frac)
+    try:
+        yield
+    finally:
+        _settings["headroom"] = outer
 
 
 def set_sizes(mode: str) -> None:

@@ -17,6 +17,12 @@ count once per step, before clipping and the optimizer: when it is non-zero, the
 and statistics are dropped, the step is redone eagerly (which records the larger counts), and the
 graph is captured again on the next step. Nothing wrong reaches the weights.
 
+The capacities' headroom over the warm-up's counts starts at kernels.train's 1/8 and doubles (up to
+2, i.e. three times the count) after each step with a miss, so a layer whose count keeps swinging
+(early training, dead units re-initialised) stops missing after a few steps; each size check that
+finds a clean step halves it back toward 1/8 (a wide capacity costs work: the sparse kernels' grids
+follow it inside a graph).
+
 Captured again when: the FFN routing changes (ffn_impl="auto"), after a miss, when something replaced
 a parameter's .grad tensor, or when a check (`check_sizes`, every model.twell_check_interval steps:
 one sync) finds a TwELL layer whose capacity is more than twice what it now needs: a capacity fixed
@@ -83,6 +89,7 @@ class GraphedMicroStep:
         self._routing = None
         self._grads: list[torch.Tensor] = []
         self._sizes: list = []  # (capacity, entries on the device) per TwELL call in the graph
+        self.headroom = kt.DEFAULT_HEADROOM  # of the next capture's capacities over the warm-up's counts
 
     def zero_grads(self) -> None:
         """Zero the static gradients in place (the graph writes into these very tensors)."""
@@ -123,28 +130,35 @@ class GraphedMicroStep:
         if missed:
             self.graph = None
             self.redone_steps += 1
+            self.headroom = min(2 * self.headroom, self._kt.MAX_HEADROOM)
             log.warning(
                 "cuda_graph: %d TwELL call(s) of this step had more active entries than their captured "
-                "capacity; the step is redone eagerly and the graph captured again at the next step",
+                "capacity; the step is redone eagerly and the graph captured again at the next step, "
+                "with capacities %.3g x the entry counts",
                 missed,
+                1 + self.headroom,
             )
             return None
         if self.world_size > 1:  # DDP's gradient average (divided first, as DDP does), one per buffer
             for flat in self._flats:
                 flat.div_(self.world_size)
                 torch.distributed.all_reduce(flat)
-        if check_sizes and self._oversized():
-            self.graph = None  # this step stands; the next one captures at the current counts
-            log.info(
-                "cuda_graph: TwELL capacities are more than twice the current entry counts; capturing anew"
-            )
+        if check_sizes:
+            if self._oversized():
+                self.graph = None  # this step stands; the next one captures at the current counts
+                log.info(
+                    "cuda_graph: TwELL capacities are more than twice what the current entry counts "
+                    "take; capturing anew"
+                )
+            self.headroom = max(self._kt.DEFAULT_HEADROOM, self.headroom / 2)  # a clean step
         return results
 
     def _oversized(self) -> bool:
         if not self._sizes:
             return False
         entries = torch.cat([t for _, t in self._sizes]).tolist()
-        return any(self._kt.oversized(cap, n) for (cap, _), n in zip(self._sizes, entries))
+        with self._kt.capacity_headroom(self.headroom):  # as the graph's capacities were sized
+            return any(self._kt.oversized(cap, n) for (cap, _), n in zip(self._sizes, entries))
 
     def _static_grads(self) -> None:
         """Gradients for the graph to accumulate into, outside its memory pool. Under DDP, views into
@@ -179,7 +193,7 @@ class GraphedMicroStep:
         side.wait_stream(torch.cuda.current_stream(self.device))
         sizes_mode = kt._settings["sizes"]
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), kt.capacity_headroom(self.headroom):
                 for i in range(WARMUP_MICRO_BATCHES):
                     if i:
                         kt.set_sizes("static")

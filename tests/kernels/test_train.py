@@ -522,6 +522,24 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
         kt.set_sizes("sometimes")
 
 
+def test_capacity_headroom_widens_the_sized_capacity_inside_the_block_only():
+    """A graph's owner captures with a wider headroom after misses; the eager default is 1/8 + 2048
+    slots in 1024 steps, and a headroom outside [0, MAX_HEADROOM] is refused with the range."""
+    import kernels.train as kt
+
+    assert kt._with_margin(80_000) == (80_000 + 10_000 + 2048) // 1024 * 1024
+    with kt.capacity_headroom(1.0):
+        assert kt._with_margin(80_000) == (160_000 + 2048) // 1024 * 1024
+        with kt.capacity_headroom(0):
+            assert kt._with_margin(80_000) == 82_048 // 1024 * 1024
+        assert kt.oversized(2 * 166_000, 80_000) and not kt.oversized(2 * 161_000, 80_000)
+    assert kt._settings["headroom"] == kt.DEFAULT_HEADROOM
+    for bad in (-0.5, kt.MAX_HEADROOM + 1):
+        with pytest.raises(ValueError, match=r"headroom .* out of range"), kt.capacity_headroom(bad):
+            pass
+    assert kt._settings["headroom"] == kt.DEFAULT_HEADROOM
+
+
 @pytest.mark.parametrize("hot,variant", [(0, "fused3"), (16, "fused3"), (0, "split")])
 def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, variant):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed

@@ -100,7 +100,7 @@ def test_graphed_steps_match_eager_steps(offline_data, tmp_path, ffn_impl):
 @GPU
 def test_a_capacity_miss_redoes_the_step_eagerly(offline_data, tmp_path, monkeypatch):
     """Capacities far below the entry count: every graphed step misses, is redone eagerly and the
-    graph is captured again; the losses are the eager run's."""
+    graph is captured again with twice the headroom; the losses are the eager run's."""
     import kernels.train as kt
 
     steps = 3
@@ -109,6 +109,7 @@ def test_a_capacity_miss_redoes_the_step_eagerly(offline_data, tmp_path, monkeyp
     monkeypatch.setattr(kt, "_with_margin", lambda nnz: max(64, nnz // 4))
     trainer, graphed = _run(offline_data, tmp_path, "graph", steps, *extra, "train.cuda_graph=true")
     assert trainer.graphed.redone_steps == steps and trainer.graphed.captures == steps
+    assert trainer.graphed.headroom == min(kt.MAX_HEADROOM, kt.DEFAULT_HEADROOM * 2**steps)
     for step in eager:
         assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step
 
@@ -129,6 +130,7 @@ def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypa
     trainer, graphed = _run(offline_data, tmp_path, "graph", steps, *extra, "train.cuda_graph=true")
     # checks after steps 2 and 4 (and 6): captures at steps 1, 3 and 5
     assert trainer.graphed.captures == 3 and trainer.graphed.redone_steps == 0
+    assert trainer.graphed.headroom == kt.DEFAULT_HEADROOM  # clean checks keep the default
     assert checked and all(cap >= n > 0 for cap, n in checked)
     for step in eager:
         assert graphed[step] == pytest.approx(eager[step], rel=2e-3), step

@@ -15,37 +15,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
-# kernel before it in the stream drains, and waits (griddepcontrol.wait) before touching what that
-# kernel wrote. The decode kernels use it, where a kernel boundary costs as much as a kernel
-# (kernels/NOTES.md round 11): the consumer launches behind its gate, and the gate behind whatever
-# precedes it (a gain only where that kernel lets dependents launch early, as the consumer does).
-# None: on where the GPU has it (compute capability >= 9); "consumer": the consumer only (benchmarks:
-# a model's FFN follows a kernel without PDL).
-_pdl: dict[str, bool | str | None] = {"on": None}
-
-
-def set_pdl(on: bool | str | None) -> None:
-    """Benchmark switch for programmatic dependent launch in the decode kernels; None: the default."""
-    if on is not None and not isinstance(on, bool) and on != "consumer":
-        raise ValueError(
-            f"pdl={on!r} must be True, False, 'consumer' or None (the default: on from compute capability 9)"
-        )
-    _pdl["on"] = on
-
-
-def use_pdl(device: torch.device, kernel: str = "consumer") -> bool:
-    """Whether the decode `kernel` ("gate" or "consumer") launches with programmatic dependent launch."""
-    if interpreting() or device.type != "cuda":
-        return False
-    on = _pdl["on"]
-    if on == "consumer":
-        return kernel == "consumer"
-    if on is not None:
-        return on
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def check_hot_units(k, name: str = "hot_units", default: str = "None") -> int | None:
     """None (the kernels' default) or k as an int >= 0 (any integer type, not bool); anything else is a
     ValueError naming `name` (the argument or config key the caller was given) and `default` (how the

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import (
     cdiv,
@@ -31,7 +30,6 @@ from ._common import (
     dot_precision,
     interpreting,
     next_pow2,
-    use_pdl,
 )
 
 # What the epilogue writes; only TWELL is API, the others exist to time the mainloop in isolation.
@@ -245,13 +243,9 @@ def _twell_gate_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     # x_src / w_src are tensor descriptors when TMA, else pointers. M_BUCKET only keys autotuning.
     # BLOCK_N is the format tile; the program walks it in BLOCK_N // SUB_N mainloop + compaction steps.
-    if PDL:  # launched while the previous kernel drains: wait for it (x), then let the consumer launch
-        gdc_wait()
-        gdc_launch_dependents()
     if ZERO_BLOCK > 0:  # int32 zero_ptr[:n_zero] (a consumer's per-row counters): no separate fill node
         if tl.program_id(0) == 0:
             zo = tl.arange(0, ZERO_BLOCK)
@@ -796,8 +790,7 @@ def _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, 
         tiles = cdiv(M, meta["BLOCK_M"]) * T
         return (min(tiles, num_progs),) if persistent else (tiles,)
 
-    pdl = regime == "decode" and use_pdl(x.device, "gate")
-    _tuned_kernel(regime)[grid](*args, m_bucket, *zero_args, **fixed, **common, PDL=pdl, launch_pdl=pdl)
+    _tuned_kernel(regime)[grid](*args, m_bucket, *zero_args, **fixed, **common)
 
 
 def _format(M: int, F: int, slots: int | None, tile_n: int | None) -> tuple[int, int]:

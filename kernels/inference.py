@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2, use_pdl
+from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
 from .train_format import build_pattern, hot_split
 from .train_rowfwd import row_ffn_inference
@@ -137,7 +136,6 @@ def _row_consumer_kernel(
     SPLIT: tl.constexpr,
     DYNAMIC_LOOPS: tl.constexpr,
     HOT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     # Program (row, part): part takes the row's chunks part, part + SPLIT, ... and its overflow tiles
     # t = part mod SPLIT. SPLIT > 1 (decode: few rows, many SMs): see the end.
@@ -146,9 +144,6 @@ def _row_consumer_kernel(
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
     x = tl.load(x_ptr + row * D + ds, mask=d_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    if PDL:  # launched while the gate kernel drains (x was ready before it): wait for its format
-        gdc_wait()
-        gdc_launch_dependents()
     ts = tl.arange(0, T_PAD)
     counts = tl.load(counts_ptr + row * T + ts, mask=ts < T, other=0)
     overflow = counts > SLOTS
@@ -321,10 +316,7 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
         _tuned_consumer[(M, 1)](*args, y, *fmt, **common)
     else:
         chunk = min(16 if interpreting() else 4, next_pow2(gate.slots))
-        pdl = decode and use_pdl(x.device, "consumer")
-        _row_consumer_kernel[(M, split)](
-            *args, y, *fmt, CHUNK=chunk, num_warps=4, **common, PDL=pdl, launch_pdl=pdl
-        )
+        _row_consumer_kernel[(M, split)](*args, y, *fmt, CHUNK=chunk, num_warps=4, **common)
     if not return_stats:  # three small kernels: ~8 of the 31 us of a 1-token call on the H200 (NOTES round 6)
         return y, None
     overflow_rows = (gate.counts > gate.slots).any(dim=1).sum(dtype=torch.int32)

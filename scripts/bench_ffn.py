@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels._common import set_pdl  # noqa: E402
 from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
@@ -169,19 +168,12 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             timed_layers(lambda i: dense_ffn(x, *layers[i]), len(layers), args.rep) if layers else None
         )
         if M <= DECODE_MAX_TOKENS:
-            # split 0: the library default; pdl "default": the library's choice
-            variants = [
-                dict(split=s, pdl=pdl) if s else dict(pdl=pdl) for s in args.decode_splits for pdl in args.pdl
-            ]
+            variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
         pre = x.float() @ w_gate.float().T
         rows = []
         for kw in variants:
-            pdl = kw.pop("pdl", "default")
-            set_pdl(
-                {"default": None, "on": True, "off": False, "consumer": "consumer"}[pdl]
-            )  # captured into the graphs below
             K = kw.get("hot_units", 0)
             hot_gate_ms = hot_mm_ms = None
             cold_pairs = pairs
@@ -207,7 +199,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 name = f"{kw['schedule']}{K}"
             else:  # "s16": split 16 given; "d16": the default, which picks 16 here
                 name = f"s{kw['split']}" if "split" in kw else f"d{decode_split(M)}"
-                name += {"default": "", "on": "+pdl", "off": "-pdl", "consumer": "+pc"}[pdl]
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -245,7 +236,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                     correct=bool(err.max() < 1e-2),
                 )
             )
-        set_pdl(None)
         del pre
         return rows
 
@@ -286,14 +276,6 @@ def main(argv=None):
         nargs="*",
         default=[0],
         help="consumer programs per row, M <= 64 (0: the default, kernels.inference.decode_split)",
-    )
-    p.add_argument(
-        "--pdl",
-        nargs="*",
-        choices=["default", "on", "off", "consumer"],
-        default=["default"],
-        help="M <= 64: programmatic dependent launch of the decode kernels (default: on from Hopper; "
-        "consumer: the consumer only, as in a model whose FFN follows a kernel without it)",
     )
     p.add_argument(
         "--graph-layers",

@@ -157,7 +157,7 @@ class GraphedMicroStep:
         if not self._sizes:
             return False
         entries = torch.cat([t for _, t in self._sizes]).tolist()
-        with self._kt.capacity_headroom(self.headroom):  # as the graph's capacities were sized
+        with self._kt.capacity_headroom(self.headroom):  # against what a capture now would take
             return any(self._kt.oversized(cap, n) for (cap, _), n in zip(self._sizes, entries))
 
     def _static_grads(self) -> None:

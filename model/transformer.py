@@ -85,6 +85,20 @@ class Transformer(nn.Module):
         with_stats=False (evaluation, generation) returns l1=None and stats=None and lets sparse
         layers use the fused inference kernel under torch.no_grad().
         """
+        x, l1s, layer_stats = self._decoder(tokens, with_stats)
+        logits = F.linear(x, self.output_weight())
+        if not with_stats:
+            return TransformerOutput(logits=logits, l1=None, stats=None)
+        return TransformerOutput(
+            logits=logits, l1=torch.stack(l1s).mean(), stats=_stack_stats(layer_stats, tokens.numel())
+        )
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [B, S] -> the final RMSNorm's output [B, S, d_model]: the decoder stack without
+        the output head (as HF's `LlamaModel`), no L1 or statistics (inference kernels under no_grad)."""
+        return self._decoder(tokens, with_stats=False)[0]
+
+    def _decoder(self, tokens: torch.Tensor, with_stats: bool):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
         seq_len = tokens.shape[1]
@@ -100,13 +114,7 @@ class Transformer(nn.Module):
             x, l1, stats = block(x, cos, sin, with_stats)
             l1s.append(l1)
             layer_stats.append(stats)
-        x = self.norm(x)
-        logits = F.linear(x, self.output_weight())
-        if not with_stats:
-            return TransformerOutput(logits=logits, l1=None, stats=None)
-        return TransformerOutput(
-            logits=logits, l1=torch.stack(l1s).mean(), stats=_stack_stats(layer_stats, tokens.numel())
-        )
+        return self.norm(x), l1s, layer_stats
 
     def update_ffn_routing(self, active_mean: torch.Tensor) -> list[bool]:
         """ "auto" impl: layer i takes the sparse path iff active_mean[i] < cfg.twell_threshold.

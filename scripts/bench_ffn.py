@@ -44,7 +44,8 @@ GRAPH_MAX_TOKENS = 64
 def write_results(path: str, rows: list[dict], **extra) -> None:
     """The JSON every bench script writes: the GPU's name, one dict per measurement, and any extra
     non-None sections (e.g. per-kernel profiles)."""
-    doc = {"device": torch.cuda.get_device_name(), "rows": rows}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {"device": device, "rows": rows}
     doc.update({k: v for k, v in extra.items() if v is not None})
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -1,0 +1,80 @@
+"""scripts/bench_model.py on CPU (TwELL through Triton's interpreter): every variant runs the same
+weights, TwELL's hidden states match the dense path's, the activity it reports is the calibrated one,
+and a trained model folder goes through the same code. Its timings mean nothing here; the GPU run's
+numbers are in docs/results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.calibrate import calibrate_activity
+from model.hf_io import export_hf
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from scripts import bench_model  # noqa: E402
+
+SMALL = ["--device", "cpu", "--seq-len", "32", "--seconds", "0", "--warmup", "1", "--min-iters", "1"]
+
+
+@pytest.mark.slow
+def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
+    out = tmp_path / "bench_model.json"
+    rows = bench_model.main(
+        ["--model", "tiny", "--batch", "1", "--micro-batch", "1", "--calib-seqs", "16", "--mean-active", "12"]
+        + SMALL
+        + ["--out", str(out)]
+    )
+    assert [(r["mode"], r["impl"]) for r in rows] == [
+        ("infer", "dense"),
+        ("infer", "twell"),
+        ("train", "dense"),
+        ("train", "twell"),
+    ]
+    infer_dense, infer_twell, train_dense, train_twell = rows
+    assert infer_dense["max_row_err"] == 0.0  # the reference of the others
+    assert 0.0 < infer_twell["max_row_err"] < bench_model.ROW_TOLERANCE  # bf16, its own kernels
+    for row in rows:
+        assert row["tokens"] == 32 and row["ms"] > 0 and row["iters"] >= 1
+        assert row["x_dense"] == pytest.approx(rows[0 if row["mode"] == "infer" else 2]["ms"] / row["ms"])
+        assert abs(row["active_mean"] - 12) < 4  # fresh tokens, not the calibration batch
+        assert row["energy_mj"] is None and row["mj_per_token"] is None  # no counter off a GPU
+    # Both training variants started from the same weights: the same activity on the same batch.
+    assert train_dense["active_mean"] == pytest.approx(train_twell["active_mean"], abs=0.5)
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 4 and doc["calibration"]["active_mean"] == pytest.approx([12, 12], abs=0.1)
+
+
+@pytest.mark.slow
+def test_a_trained_model_folder_is_benchmarked_as_it_is(tmp_path):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=32)
+    net = Transformer(cfg)
+    calibrate_activity(net, torch.randint(0, 256, (16, 32)), mean_active=8.0)
+    folder = export_hf(net, None, tmp_path / "hf")
+    rows = bench_model.main(
+        ["--checkpoint", str(folder), "--mode", "infer", "--batch", "2"]
+        + SMALL
+        + ["--out", str(tmp_path / "b.json")]
+    )
+    assert [r["impl"] for r in rows] == ["dense", "twell"]
+    assert rows[1]["max_row_err"] < bench_model.ROW_TOLERANCE
+    assert abs(rows[0]["active_mean"] - 8) < 3  # the folder's weights, not a new calibration
+    assert "calibration" not in json.loads((tmp_path / "b.json").read_text())  # none was made
+
+
+def test_bad_options_are_refused_with_the_fix(capsys):
+    with pytest.raises(SystemExit):
+        bench_model.main(["--file", "notes.txt"])
+    assert "--file needs --checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--cuda-graph needs a CUDA device"):
+        bench_model.main(["--model", "tiny", "--device", "cpu", "--cuda-graph"])
+    with pytest.raises(SystemExit):
+        bench_model.main(["--batch", "0"])
+    assert "--batch=0 must be >= 1" in capsys.readouterr().err

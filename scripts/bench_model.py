@@ -145,6 +145,7 @@ def bench_inference(
     activity = activity_of(net, tokens[: max(1, 16384 // tokens.shape[1])], _no_autocast())
     rows, reference = [], None
     for name, impl, compile_blocks in variants:
+        print(f"infer {name} ...", flush=True)
         set_ffn_impl(net, impl)
         runner = net
         if compile_blocks:
@@ -192,6 +193,7 @@ def bench_train(
 
     rows = []
     for name, impl, compile_blocks, graph in variants:
+        print(f"train {name} ...", flush=True)
         net = copy.deepcopy(model).float().train()
         set_ffn_impl(net, impl)
         if compile_blocks:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines fidelity sweep gputests decode profile hot dist
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines model fidelity sweep gputests decode profile hot dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -35,6 +35,13 @@ stage_baselines() {
         run_name=$name run_dir="$OUT/$name" 2>&1 | grep -v "it/s\]" | tail -6
     done
   done
+}
+
+# The whole model, dense FFNs against TwELL (the paper's Speed table): inference 64 x 2048, training
+# steps of 8 x 2048 eager and graphed, energy per token; random weights calibrated to the paper's activity.
+stage_model() {
+  python3 scripts/bench_model.py --model 0.5b --compile --cuda-graph --out "$OUT/bench_model_0.5b.json" 2>&1 | tee "$OUT/bench_model_0.5b.txt"
+  python3 scripts/bench_model.py --model 1.5b --cuda-graph --out "$OUT/bench_model_1.5b.json" 2>&1 | tee "$OUT/bench_model_1.5b.txt"
 }
 
 # Issue 5's fidelity pair (scripts/sweeps/fidelity_pair.txt) through the sweep stage: both runs, the

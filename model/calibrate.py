@@ -6,6 +6,13 @@ decoder with TwELL kernels needs that regime; a freshly initialised model (half 
 is far from it, and a training run reaches it only after thousands of steps. `calibrate_activity`
 puts a random model there in one pass over a calibration batch:
 
+* The token embeddings are rescaled to std `embedding_std` (0.5), so that they, not the attention
+  outputs, dominate the residual stream. At the init's 0.02 a random model's attention outputs are
+  ~40x larger at the first positions (which attend to themselves only) than further on; per-unit
+  thresholds set on one batch then fit another badly: on the H200, a 0.5B model calibrated to 29
+  active units showed 227 on a fresh batch, and a 12-layer CPU model 10 -> 12-78 by depth. At 0.5 the
+  fresh batch shows the target within a few percent per layer, and the densest tokens still reach
+  several times the mean (more so in deeper layers).
 * One residual channel c becomes a constant "bias channel": every token embedding holds `beta` there
   and nothing writes to it (row c of every attention output projection and column c of every FFN down
   projection are zeroed), so after each RMSNorm it reads beta / rms(x) > 0 on every token.
@@ -17,8 +24,9 @@ puts a random model there in one pass over a calibration batch:
 
 Only weights change (no new parameters, no hooks): the model stays a plain `Transformer`, trainable
 and exportable as any other. Its activity on other tokens of the same kind is close to the target, not
-equal: the benchmark measures and prints it. Token-to-token spread comes for free, since rms(x) varies
-(the first positions of a random model's sequences are its densest, as in trained models).
+equal: the benchmark measures and prints it. Token-to-token spread comes from rms(x), which still
+varies with position (the first positions are the densest, as in trained models), but the tail is
+milder than a trained model's (the kernel benchmarks' synthetic inputs add rows of ~400 units).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from model.transformer import Transformer
 # beta in units of the embedding entries' rms: the bias channel then reads ~4 after each norm, so the
 # thresholds (a few sigma of the pre-activation) need gate weights of a few times the init scale only.
 BIAS_CHANNEL_SCALE = 4.0
+EMBEDDING_STD = 0.5
 _UNIT_CHUNK = 1024  # units sorted at a time (memory: tokens x chunk fp32 values and int64 indices)
 
 
@@ -56,12 +65,14 @@ def calibrate_activity(
     dead_fraction: float = 0.3,
     rate_sigma: float = 1.5,
     channel: int = -1,
+    embedding_std: float | None = EMBEDDING_STD,
     seed: int = 0,
 ) -> ActivityCalibration:
     """Set `model`'s weights in place so that each FFN has ~mean_active active units per token.
 
     tokens: int64 [B, S] calibration batch (a few thousand tokens or more: the rates are set to its
     quantiles). The model runs in its own dtype; the dense FFN path is used whatever its ffn_impl.
+    embedding_std: the token embeddings' std after rescaling (None: kept as they are).
     """
     cfg = model.cfg
     D, F = cfg.d_model, cfg.d_ff
@@ -69,6 +80,8 @@ def calibrate_activity(
         raise ValueError(f"tokens must be int64 [batch, seq_len], got {tokens.dtype} {tuple(tokens.shape)}")
     if not -D <= channel < D:
         raise ValueError(f"channel={channel} is not a residual channel of d_model={D}")
+    if embedding_std is not None and not embedding_std > 0:
+        raise ValueError(f"embedding_std={embedding_std} must be positive (or None to keep the embeddings)")
     c = channel % D
     device = model.tok_embeddings.weight.device
     tokens = tokens.to(device)
@@ -79,6 +92,8 @@ def calibrate_activity(
     gen.manual_seed(seed)
 
     emb = model.tok_embeddings.weight
+    if embedding_std is not None:
+        emb.mul_(embedding_std / emb.float().std().clamp(min=1e-12))
     emb[:, c] = BIAS_CHANNEL_SCALE * emb.float().pow(2).mean().sqrt().to(emb.dtype)
     for block in model.layers:
         block.attn.wo.weight[c, :] = 0

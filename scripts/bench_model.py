@@ -358,7 +358,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=8, help="training sequences per step")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--mean-active", type=float, default=29.0, help="calibration target, units per token")
-    p.add_argument("--calib-seqs", type=int, default=4, help="calibration sequences of --seq-len tokens")
+    p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences of --seq-len tokens")
     p.add_argument(
         "--compile", action="store_true", help="also time torch.compile'd blocks (dense and TwELL)"
     )
@@ -417,7 +417,7 @@ def main(argv=None) -> list[dict]:
         tokens = make_tokens(args, cfg, tokenizer, args.batch, device)[:, :-1].contiguous()
         variants = [("dense", "dense", False), ("twell", "twell", False)]
         if args.compile:
-            variants += [("dense+compile", "dense", True)]
+            variants += [("dense+compile", "dense", True), ("twell+compile", "twell", True)]
         rows += bench_inference(
             model, tokens, variants, device, args.seconds, meter, args.warmup, args.min_iters
         )

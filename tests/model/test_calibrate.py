@@ -46,12 +46,12 @@ def test_each_layer_fires_at_its_drawn_rates_on_the_calibration_batch():
     assert report.tokens == T and report.channel == net.cfg.d_model - 1
 
 
-def test_fresh_tokens_see_about_the_target_activity_with_a_heavy_tail():
+def test_fresh_tokens_see_about_the_target_activity_with_denser_tokens():
     net = small_model(seed=2)
     calibrate_activity(net, random_tokens(48, 64, seed=3), mean_active=MEAN_ACTIVE)
     stats = net(random_tokens(16, 64, seed=4)).stats
-    assert torch.all((stats.active_mean - MEAN_ACTIVE).abs() < 0.35 * MEAN_ACTIVE), stats.active_mean
-    assert torch.all(stats.active_max > 3 * stats.active_mean)  # some tokens far denser than the mean
+    assert torch.all((stats.active_mean - MEAN_ACTIVE).abs() < 0.1 * MEAN_ACTIVE), stats.active_mean
+    assert torch.all(stats.active_max > 1.5 * stats.active_mean)  # some tokens denser than the mean
     assert torch.all((stats.unit_fires == 0).float().mean(dim=1) > 0.25)  # the dead units stay dead
 
 

@@ -27,7 +27,7 @@ SMALL = ["--device", "cpu", "--seq-len", "32", "--seconds", "0", "--warmup", "1"
 def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
     out = tmp_path / "bench_model.json"
     rows = bench_model.main(
-        ["--model", "tiny", "--batch", "1", "--micro-batch", "1", "--calib-seqs", "16", "--mean-active", "12"]
+        ["--model", "tiny", "--batch", "4", "--micro-batch", "1", "--mean-active", "12"]
         + SMALL
         + ["--out", str(out)]
     )
@@ -41,12 +41,15 @@ def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
     assert infer_dense["max_row_err"] == 0.0  # the reference of the others
     assert 0.0 < infer_twell["max_row_err"] < bench_model.ROW_TOLERANCE  # bf16, its own kernels
     for row in rows:
-        assert row["tokens"] == 32 and row["ms"] > 0 and row["iters"] >= 1
+        assert (
+            row["tokens"] == (128 if row["mode"] == "infer" else 32) and row["ms"] > 0 and row["iters"] >= 1
+        )
         assert row["x_dense"] == pytest.approx(rows[0 if row["mode"] == "infer" else 2]["ms"] / row["ms"])
-        assert abs(row["active_mean"] - 12) < 4  # fresh tokens, not the calibration batch
+        assert abs(row["active_mean"] - 12) < 3  # calibrated on these tokens (LR 0: kept in training)
         assert row["energy_mj"] is None and row["mj_per_token"] is None  # no counter off a GPU
-    # Both training variants started from the same weights: the same activity on the same batch.
-    assert train_dense["active_mean"] == pytest.approx(train_twell["active_mean"], abs=0.5)
+    # Both training variants started from the same weights and kept them: the same activity, up to
+    # the odd unit at its threshold that the two paths' sums put on different sides.
+    assert train_dense["active_mean"] == pytest.approx(train_twell["active_mean"], abs=0.2)
     doc = json.loads(out.read_text())
     assert len(doc["rows"]) == 4 and doc["calibration"]["active_mean"] == pytest.approx([12, 12], abs=0.1)
 

@@ -51,7 +51,7 @@ def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
     # the odd unit at its threshold that the two paths' sums put on different sides.
     assert train_dense["active_mean"] == pytest.approx(train_twell["active_mean"], abs=0.2)
     doc = json.loads(out.read_text())
-    assert len(doc["rows"]) == 4 and doc["calibration"]["active_mean"] == pytest.approx([12, 12], abs=0.1)
+    assert len(doc["rows"]) == 4 and doc["calibration"]["active_mean"] == pytest.approx([12, 12], abs=0.5)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.tokenizer import train_bpe_tokenizer
 from model import ModelConfig, Transformer
 from model.calibrate import calibrate_activity
 from model.hf_io import export_hf
@@ -55,21 +56,35 @@ def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trained_model_folder_is_benchmarked_as_it_is(tmp_path):
+def test_a_trained_model_folder_is_benchmarked_as_it_is_on_its_text(tmp_path):
+    text = " ".join(f"the unit {i} fires on token {i * 7 % 13} of the row" for i in range(60))
+    tokenizer = train_bpe_tokenizer([text], vocab_size=256, out_dir=tmp_path / "tok")
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=32)
     net = Transformer(cfg)
     calibrate_activity(net, torch.randint(0, 256, (16, 32)), mean_active=8.0)
-    folder = export_hf(net, None, tmp_path / "hf")
-    rows = bench_model.main(
-        ["--checkpoint", str(folder), "--mode", "infer", "--batch", "2"]
-        + SMALL
-        + ["--out", str(tmp_path / "b.json")]
-    )
+    folder = export_hf(net, tokenizer, tmp_path / "hf")
+    (tmp_path / "text.txt").write_text(text)
+    argv = [
+        "--checkpoint",
+        str(folder),
+        "--file",
+        str(tmp_path / "text.txt"),
+        "--mode",
+        "infer",
+        "--batch",
+        "2",
+    ]
+    rows = bench_model.main(argv + SMALL + ["--out", str(tmp_path / "b.json")])
     assert [r["impl"] for r in rows] == ["dense", "twell"]
     assert rows[1]["max_row_err"] < bench_model.ROW_TOLERANCE
-    assert abs(rows[0]["active_mean"] - 8) < 3  # the folder's weights, not a new calibration
+    assert 0 < rows[0]["active_mean"] < 40  # the folder's weights on its text, not a new calibration
     assert "calibration" not in json.loads((tmp_path / "b.json").read_text())  # none was made
+    # The batch is the file's tokens, in order, cycled to fill the rows.
+    args = bench_model.parse_args(argv + SMALL)
+    batch = bench_model.make_tokens(args, cfg, tokenizer, 3, torch.device("cpu"))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert batch.shape == (3, 33) and batch.flatten().tolist() == (ids * (99 // len(ids) + 1))[:99]
 
 
 def test_bad_options_are_refused_with_the_fix(capsys):

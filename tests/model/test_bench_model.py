@@ -19,7 +19,7 @@ from model.hf_io import export_hf
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from scripts import bench_model  # noqa: E402
+from scripts import bench_model, plot_bench_model  # noqa: E402
 
 SMALL = ["--device", "cpu", "--seq-len", "32", "--seconds", "0", "--warmup", "1", "--min-iters", "1"]
 
@@ -53,6 +53,11 @@ def test_dense_and_twell_rows_for_inference_and_training(tmp_path):
     assert train_dense["active_mean"] == pytest.approx(train_twell["active_mean"], abs=0.2)
     doc = json.loads(out.read_text())
     assert len(doc["rows"]) == 4 and doc["calibration"]["active_mean"] == pytest.approx([12, 12], abs=0.5)
+    png = plot_bench_model.main([str(out), str(out), "--out", str(tmp_path / "bench_model.png")])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text(json.dumps({"device": "cpu"}))
+    with pytest.raises(SystemExit, match="not a bench_model.py result"):
+        plot_bench_model.main([str(tmp_path / "other.json")])
 
 
 @pytest.mark.slow

@@ -350,6 +350,10 @@ def twell_ffn_inference(
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
+    defaults = schedule is None and slots is None and tile_n is None and split is None and not return_stats
+    if defaults and torch.compiler.is_compiling():
+        # One opaque node for torch.compile (no graph break: the ops around it stay in one graph).
+        return torch.ops.twell.ffn_inference(x, w_gate, w_up, w_down, -1 if hot_units is None else hot_units)
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     if schedule is None:  # a TwELL option asks for the row schedule
@@ -365,6 +369,18 @@ def twell_ffn_inference(
     else:
         y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y
+
+
+@torch.library.custom_op("twell::ffn_inference", mutates_args=())
+def _ffn_inference_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      hot_units: int) -> torch.Tensor:  # fmt: skip
+    """twell_ffn_inference with its default schedule, as torch.compile sees it (hot_units < 0: None)."""
+    return twell_ffn_inference(x, w_gate, w_up, w_down, hot_units=None if hot_units < 0 else hot_units)
+
+
+@_ffn_inference_op.register_fake
+def _(x, w_gate, w_up, w_down, hot_units):
+    return torch.empty_like(x)
 
 
 def csr_capacity(M: int, F: int) -> int:

@@ -11,6 +11,7 @@ from kernels.synthetic import (
 )
 
 # The interpreter rounds fp32 -> bf16 by truncation (2x the error of the GPU's round-to-nearest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROW_TOL = {torch.float32: 1e-4, torch.bfloat16: 2.5e-2}
 
 
@@ -213,3 +214,20 @@ def test_decode_split_default_and_override():
     assert decode_split(16) == 16
     with pytest.raises(ValueError, match="decode split=0 must be >= 1"):
         set_decode_split(0)
+
+
+def test_compiles_without_graph_breaks_through_its_custom_op():
+    x, wg, wu, wd = paper_like_ffn_inputs(
+        24, 64, 128, mean_active=6.0, dtype=torch.float32, device=DEVICE, seed=3
+    )
+
+    def block(x, wg, wu, wd):
+        return x + twell_ffn_inference(torch.tanh(x) * 2, wg, wu, wd)  # ops around it in one graph
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=False)
+    assert torch.allclose(compiled(x, wg, wu, wd), block(x, wg, wu, wd), rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(
+        torch.ops.twell.ffn_inference.default,
+        (x, wg, wu, wd, -1),
+        test_utils=("test_schema", "test_faketensor"),
+    )

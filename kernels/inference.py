@@ -17,6 +17,8 @@ one selection kernel on the GPU) are computed densely on tensor cores,
 y_hot = (g_hot * (x @ w_up[hot]^T)) @ w_down[hot]; the compaction leaves those columns out of the
 sparse entries, and the row kernels start from y_hot. Exact for any choice of hot set.
 (The "block" union schedule lost everywhere on the H200 and was removed.)
+Under torch.compile a call with the default schedule is one custom op (`twell::ffn_inference`), so a
+compiled block is not cut at its FFN; eager calls launch the kernels directly.
 NOTES.md has the arithmetic.
 """
 

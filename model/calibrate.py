@@ -38,8 +38,8 @@ import torch
 from kernels.synthetic import DEAD_THRESHOLD_SIGMAS, unit_firing_rates
 from model.transformer import Transformer
 
-# beta in units of the embedding entries' rms: the bias channel then reads ~4 after each norm, so the
-# thresholds (a few sigma of the pre-activation) need gate weights of a few times the init scale only.
+# beta in units of the embedding entries' rms: the bias channel then reads ~4 after each norm, so a
+# threshold of a few sigma of the pre-activation (~2 at the init's scale) takes a gate weight below 1.
 BIAS_CHANNEL_SCALE = 4.0
 EMBEDDING_STD = 0.5
 _UNIT_CHUNK = 1024  # units sorted at a time (memory: tokens x chunk fp32 values and int64 indices)

@@ -131,9 +131,10 @@ def _set_gate_thresholds(w_gate: torch.Tensor, xn: torch.Tensor, c: int, rates: 
     w_rest = w_gate.float().clone()
     w_rest[:, c] = 0
     n_fire = (rates.float() * T).round().long()
+    xn32 = xn.float()
     for j0 in range(0, w_gate.shape[0], _UNIT_CHUNK):
         j1 = min(j0 + _UNIT_CHUNK, w_gate.shape[0])
-        ratio = (xn.float() @ w_rest[j0:j1].T) / bias[:, None]  # [T, chunk]: unit fires iff ratio > t_j
+        ratio = (xn32 @ w_rest[j0:j1].T) / bias[:, None]  # [T, chunk]: unit fires iff ratio > t_j
         ordered = ratio.sort(dim=0).values
         n = n_fire[j0:j1]
         # Between the (T - n)-th and (T - n + 1)-th smallest values: exactly n rows lie above.

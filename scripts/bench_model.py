@@ -39,7 +39,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,9 +126,9 @@ def set_ffn_impl(model: Transformer, impl: str) -> None:
         block.ffn.impl = impl
 
 
-def activity_of(model: Transformer, tokens: torch.Tensor, autocast) -> dict:
+def activity_of(model: Transformer, tokens: torch.Tensor) -> dict:
     """Mean active FFN units per token over layers and the densest layer's mean, on `tokens`."""
-    with torch.no_grad(), autocast:
+    with torch.no_grad():
         stats = model(tokens).stats
     per_layer = stats.active_mean.float().cpu()
     return {"active_mean": float(per_layer.mean()), "active_layer_max": float(per_layer.max())}
@@ -147,7 +146,7 @@ def bench_inference(
     """Decoder-stack forwards of bf16 copies of `model`, one row per (name, impl, compile) variant."""
     net = copy.deepcopy(model).to(torch.bfloat16).eval()
     set_ffn_impl(net, "dense")
-    activity = activity_of(net, tokens[: max(1, 16384 // tokens.shape[1])], _no_autocast())
+    activity = activity_of(net, tokens[: max(1, 16384 // tokens.shape[1])])
     rows, reference = [], None
     for name, impl, compile_blocks in variants:
         print(f"infer {name} ...", flush=True)
@@ -173,10 +172,6 @@ def bench_inference(
     return rows
 
 
-def _no_autocast():
-    return contextlib.nullcontext()
-
-
 def _compile_blocks(model: Transformer) -> None:
     from training.trainer import apply_block_wrappers
 
@@ -195,6 +190,7 @@ def bench_train(
     (name, impl, compile, graph) variant, each from the same weights and a fresh optimizer."""
     from training.config import OptimConfig
     from training.optim import build_optimizer
+    from training.trainer import micro_loss
 
     rows = []
     for name, impl, compile_blocks, graph in variants:
@@ -210,10 +206,10 @@ def bench_train(
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not graph)
             if device.type == "cuda"
-            else _no_autocast()
+            else contextlib.nullcontext()
         )
 
-        loss_fn = functools.partial(_micro_loss, net, autocast)
+        loss_fn = functools.partial(micro_loss, net, autocast)  # the trainer's own
         graphed = None
         if graph:
             from training.cuda_graph import GraphedMicroStep
@@ -245,14 +241,6 @@ def bench_train(
         del net, optimizer, graphed, params, step, loss_fn
         _free(device)
     return rows
-
-
-def _micro_loss(net, autocast, input_ids, targets, l1_coef):
-    """(loss, ce, output) of one micro-batch, as the trainer computes them (CE in fp32)."""
-    with autocast:
-        out = net(input_ids)
-    ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-    return ce + l1_coef * out.l1, ce, out
 
 
 def _train_step(loss_fn, graphed, optimizer, params, ids, labels, l1_coef, routing, last) -> None:

@@ -78,6 +78,15 @@ def check_cuda_graph_support(device: torch.device, world_size: int, parallel: st
         )
 
 
+def micro_loss(model: nn.Module, autocast, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef):
+    """(CE + l1_coef * L1, CE, model output) of one micro-batch: the forward under `autocast`, CE in
+    fp32 over the logits whatever the autocast dtype."""
+    with autocast:
+        out = model(input_ids)
+    ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+    return ce + l1_coef * out.l1, ce, out
+
+
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to the global gradient norm (over every rank's shard under FSDP2); returns that norm as
     a plain tensor. With DTensor gradients clip_grad_norm_ reduces the per-shard norms over the
@@ -277,10 +286,7 @@ class Trainer:
         """One micro-batch's forward and loss: (loss, ce, model output). CE in fp32 over the logits
         whatever the autocast dtype; l1_coef a float, or a device scalar under CUDA graphs. `model`:
         the module to run (default: forward_model, the DDP wrapper under DDP)."""
-        with self.autocast:
-            out = (model or self.forward_model)(input_ids)
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-        return ce + l1_coef * out.l1, ce, out
+        return micro_loss(model or self.forward_model, self.autocast, input_ids, labels, l1_coef)
 
     def _add_micro(self, ce: torch.Tensor, l1: torch.Tensor, stats) -> None:
         self._ce_sum += ce

@@ -32,16 +32,14 @@ import triton.language as tl
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
-from .row_bits import row_bits_ffn
 from .train_format import build_pattern, hot_split
 from .train_rowfwd import row_ffn_inference
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
 # row; "csr": the gate's positive bitmask compacted into a CSR of the cold positives (as the training
 # op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
-# at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above; "bits": the
-# relu GEMM's bitmask walked directly by one program per row (kernels/row_bits.py: no CSR build).
-SCHEDULES = ("row", "csr", "bits")
+# at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above.
+SCHEDULES = ("row", "csr")
 
 
 class InferenceStats(NamedTuple):
@@ -363,17 +361,12 @@ def twell_ffn_inference(
     if schedule is None:  # a TwELL option asks for the row schedule
         twell_options = slots is not None or tile_n is not None or split is not None
         schedule = "row" if x.shape[0] <= DECODE_MAX_TOKENS or twell_options else "csr"
-    if schedule in ("csr", "bits"):
+    if schedule == "csr":
         for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
             if value is not None:
                 raise ValueError(
-                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for {schedule!r}"
+                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'csr'"
                 )
-    if schedule == "bits":
-        if check_hot_units(hot_units):
-            raise ValueError(f"hot_units={hot_units}: schedule='bits' has no hot units; use schedule='csr'")
-        y, stats = _bits_schedule(x, w_gate, w_up, w_down, return_stats)
-    elif schedule == "csr":
         y, stats = _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats)
     else:
         y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
@@ -397,13 +390,6 @@ def csr_capacity(M: int, F: int) -> int:
     ~29 active units per token; 6 bytes a slot). Positives past it are read from the dense h by the
     row kernel: exact, slower, counted in overflow_rows."""
     return M * max(32, F // 32)
-
-
-def _bits_schedule(x, w_gate, w_up, w_down, return_stats):
-    h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
-    stats = torch.zeros(1, dtype=torch.int32, device=x.device) if return_stats else None
-    y = row_bits_ffn(h, bits, x, w_up, w_down, stats)
-    return y, (InferenceStats(stats[0]) if return_stats else None)
 
 
 def _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats):

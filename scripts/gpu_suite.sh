@@ -91,11 +91,6 @@ stage_sweep() {
 }
 
 # GPU-marked tests only (correctness at real sizes), and the decode sizes of bench_ffn under CUDA graphs.
-stage_schedules() {  # the large-batch consumers side by side (csr, bits), per-kernel times
-  python3 scripts/bench_ffn.py --tokens 4096 16384 131072 --schedules csr bits --hot-units 0 --profile \
-    --out "$OUT/bench_schedules.json" 2>&1 | tee "$OUT/bench_schedules.txt"
-}
-
 stage_gputests() {
   python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
 }

@@ -104,26 +104,6 @@ def test_inference_at_paper_size(hot, M):
     assert err.max() < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [65, 4099, 16384])
-def test_bits_schedule_at_paper_size(M):
-    """The bits schedule on the GPU at the paper's widths: heavy-tailed rows and a dense row (5632
-    positives: 44 windows) exact, and the rows past one window counted."""
-    from kernels.gate import relu_gate_bits
-    from kernels.row_bits import WINDOW
-
-    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
-    make_rows_heavy_tailed(x, torch.arange(0, M, 7), seed=M)
-    make_rows_dense(x, [M // 2])
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="bits", return_stats=True)
-    pre = x.float() @ wg.float().T
-    ref = ((torch.relu(pre) * (x.float() @ wu.float().T)) @ wd.float()).double()
-    err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
-    assert err.max() < 1e-2, f"worst row {int(err.argmax())}: {float(err.max()):.3g}"
-    h, _ = relu_gate_bits(x, wg)  # the schedule's own positives (fp32 signs can differ at the border)
-    assert int(stats.overflow_rows) == int(((h > 0).sum(1) > WINDOW).sum()) >= 1
-
-
 @pytest.mark.parametrize("path", ["fused", "two_kernel"])
 def test_split_rows_are_summed_by_their_last_program(path, poisoned_empty):
     """split > 1: each program of a row stores a partial and the last one to take the row's ticket
@@ -212,52 +192,6 @@ def test_csr_positives_past_the_capacity_are_read_from_h(hot, monkeypatch, poiso
         assert int(stats.overflow_rows) >= 1  # the dense row alone has 256 cold positives
     else:
         assert int(stats.overflow_rows) == int((ends > 37).sum())
-
-
-@pytest.mark.parametrize("M,D,F,dtype", [(67, 128, 320, torch.bfloat16), (7, 64, 192, torch.float32)])
-def test_bits_schedule_matches_reference_on_hard_patterns(M, D, F, dtype, poisoned_empty):
-    """schedule "bits": each row's bitmask walked by its own program (no CSR); a row with more positives
-    than its window (the dense row, the always-firing tile) takes several windows and is counted."""
-    from kernels.row_bits import WINDOW
-
-    seed = int(torch.randint(0, 2**31, ()).item())
-    x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
-    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="bits", return_stats=True)
-    assert y.dtype == dtype and y.shape == x.shape and not torch.isnan(y).any()
-    err, _ = _row_errors(y, x, wg, wu, wd)
-    assert err.max() < ROW_TOL[dtype], (
-        f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
-    )
-    active = (x.double() @ wg.double().T > 0).sum(1)
-    assert int(stats.overflow_rows) == int((active > min(WINDOW, F)).sum())
-
-
-@pytest.mark.parametrize("window", [3, 40])
-def test_bits_rows_past_their_window_take_more_windows(window, poisoned_empty):
-    """Tiny windows: most rows are walked in several windows (the dense row's 320 positives in up to
-    107), each positive exactly once, in column order."""
-    from kernels.gate import relu_gate_bits
-    from kernels.row_bits import row_bits_ffn
-
-    seed = int(torch.randint(0, 2**31, ()).item())
-    x, wg, wu, wd = _hard_inputs(13, 64, 320, torch.float32, seed)
-    h, bits = relu_gate_bits(x, wg)
-    stats = torch.zeros(1, dtype=torch.int32, device=x.device)
-    y = row_bits_ffn(h, bits, x, wu, wd, stats, window=window)
-    err, _ = _row_errors(y, x, wg, wu, wd)
-    assert err.max() < ROW_TOL[torch.float32], f"seed {seed}: rel err {float(err.max()):.3g}"
-    active = (x.double() @ wg.double().T > 0).sum(1)
-    assert int(stats[0]) == int((active > window).sum()) >= 1
-
-
-def test_bits_schedule_rejects_hot_units_and_twell_options():
-    x, w = torch.randn(4, 64), torch.randn(128, 64)
-    with pytest.raises(ValueError, match="hot_units=8: schedule='bits' has no hot units"):
-        twell_ffn_inference(x, w, w, w, schedule="bits", hot_units=8)
-    with pytest.raises(
-        ValueError, match="split=2 is a TwELL option of schedule='row'; leave it out for 'bits'"
-    ):
-        twell_ffn_inference(x, w, w, w, schedule="bits", split=2)
 
 
 def test_csr_schedule_rejects_twell_options():

@@ -2,7 +2,7 @@
 
 from . import reference, synthetic
 from .gate import TwELLGate, twell_gate
-from .inference import InferenceStats, twell_ffn_inference
+from .inference import InferenceStats, twell_ffn_inference, unit_order
 from .reference import FFNOutput
 from .train import twell_ffn
 
@@ -15,4 +15,5 @@ __all__ = [
     "twell_ffn",
     "twell_ffn_inference",
     "twell_gate",
+    "unit_order",
 ]

@@ -24,6 +24,7 @@ NOTES.md has the arithmetic.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -337,6 +338,7 @@ def twell_ffn_inference(
     tile_n: int | None = None,
     split: int | None = None,
     hot_units: int | None = None,
+    hot_prefix: int = 0,
     return_stats: bool = False,
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
@@ -346,6 +348,12 @@ def twell_ffn_inference(
     split: programs per row of its consumer (None: several at decode sizes, where few rows must fill
     the GPU; 1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: none for
     csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on for row; ignored at decode sizes on a GPU).
+    hot_prefix: P (a multiple of 32) -- the FIRST P units are computed densely on tensor cores straight
+    from the gate GEMM's dense h, y_hot = (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P], and the sparse part
+    covers units P and up: no per-batch selection, no gathers, no copies. Exact for any P; fast when
+    the units are ordered by firing rate (order_units / model.ffn reorder: the order is a property of
+    the weights, so it is chosen once on calibration tokens). csr schedule only (None picks it above
+    64 tokens); ignored at decode sizes, where the row schedule runs; not combined with hot_units.
     With return_stats=True returns (y, InferenceStats): overflow_rows counts the rows whose positives
     did not all fit the format (row: a tile past its slots; csr: entries past the CSR's capacity),
     each computed exactly on its overflow path.
@@ -355,33 +363,67 @@ def twell_ffn_inference(
     defaults = schedule is None and slots is None and tile_n is None and split is None and not return_stats
     if defaults and torch.compiler.is_compiling():
         # One opaque node for torch.compile (no graph break: the ops around it stay in one graph).
-        return torch.ops.twell.ffn_inference(x, w_gate, w_up, w_down, -1 if hot_units is None else hot_units)
+        return torch.ops.twell.ffn_inference(
+            x, w_gate, w_up, w_down, -1 if hot_units is None else hot_units, hot_prefix
+        )
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     if schedule is None:  # a TwELL option asks for the row schedule
         twell_options = slots is not None or tile_n is not None or split is not None
         schedule = "row" if x.shape[0] <= DECODE_MAX_TOKENS or twell_options else "csr"
+    hot_prefix = check_hot_prefix(hot_prefix, w_gate.shape[0])
+    if hot_prefix and check_hot_units(hot_units):
+        raise ValueError(
+            f"hot_prefix={hot_prefix} and hot_units={hot_units}: choose one way of computing hot units densely"
+        )
     if schedule == "csr":
         for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
             if value is not None:
                 raise ValueError(
                     f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'csr'"
                 )
-        y, stats = _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats)
+        y, stats = _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats)
     else:
+        if hot_prefix and x.shape[0] > DECODE_MAX_TOKENS:
+            raise ValueError(f"hot_prefix={hot_prefix} needs schedule='csr' (or None), not 'row'")
         y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y
 
 
+def unit_order(fires: torch.Tensor) -> torch.Tensor:
+    """The permutation that stores units most-firing first (fires: per-unit positive counts [F] on
+    calibration tokens; ties keep index order). Apply it to w_gate, w_up and w_down rows alike (the FFN
+    is unchanged) and pass hot_prefix=P: the first P units are then the hot ones."""
+    if fires.dim() != 1:
+        raise ValueError(f"fires must be per-unit counts [d_ff], got shape {tuple(fires.shape)}")
+    return torch.argsort(fires, descending=True, stable=True)
+
+
+def check_hot_prefix(p, F: int, name: str = "hot_prefix") -> int:
+    """p as an int in [0, F], a multiple of 32 (whole words of the gate's bitmask); else a ValueError
+    naming `name` and the fix."""
+    try:
+        value = operator.index(p)
+    except TypeError:
+        value = -1
+    if isinstance(p, bool) or value < 0 or value % 32 or value > F:
+        raise ValueError(
+            f"{name}={p!r} must be a multiple of 32 in [0, d_ff={F}] (0: off); e.g. {min(512, F // 32 * 32)}"
+        )
+    return value
+
+
 @torch.library.custom_op("twell::ffn_inference", mutates_args=())
 def _ffn_inference_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                      hot_units: int) -> torch.Tensor:  # fmt: skip
+                      hot_units: int, hot_prefix: int) -> torch.Tensor:  # fmt: skip
     """twell_ffn_inference with its default schedule, as torch.compile sees it (hot_units < 0: None)."""
-    return twell_ffn_inference(x, w_gate, w_up, w_down, hot_units=None if hot_units < 0 else hot_units)
+    return twell_ffn_inference(
+        x, w_gate, w_up, w_down, hot_units=None if hot_units < 0 else hot_units, hot_prefix=hot_prefix
+    )
 
 
 @_ffn_inference_op.register_fake
-def _(x, w_gate, w_up, w_down, hot_units):
+def _(x, w_gate, w_up, w_down, hot_units, hot_prefix):
     return torch.empty_like(x)
 
 
@@ -392,19 +434,42 @@ def csr_capacity(M: int, F: int) -> int:
     return M * max(32, F // 32)
 
 
-def _csr_schedule(x, w_gate, w_up, w_down, hot_units, return_stats):
+def _prefix_pos(P: int, F: int, device) -> torch.Tensor:
+    """int32 [F]: j for the first P units, -1 after (the row kernel's skip list for its h walk)."""
+    key = (P, F, device)
+    pos = _prefix_cache.get(key)
+    if pos is None:
+        pos = torch.arange(F, device=device, dtype=torch.int32)
+        pos[P:] = -1
+        _prefix_cache[key] = pos
+    return pos
+
+
+_prefix_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     M, F = x.shape[0], w_gate.shape[0]
     hot_units = check_hot_units(hot_units)
     # No hot units by default: the row kernel gathers cheaply enough that they stopped paying (H200,
     # d_ff 5632, hot 0 / 1024: 1.082 / 1.072 ms at 16384 tokens, 7.694 / 7.858 ms at 131072; NOTES.md).
     K = min(0 if hot_units is None else hot_units, F)
+    P = hot_prefix
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
     hot_idx, split = hot_split(count_fires(bits), K, x) if K else (None, None)
     capacity = csr_capacity(M, F)
+    if P:  # the prefix's positives leave the bitmask (one small strided fill), so the CSR skips them
+        bits[:, : P // 32] = 0
     pat = build_pattern(h, bits, split, capacity, inference=True)
     del bits
-    y_hot = _hot_y(x, w_up, w_down, hot_idx, split[2]) if K else None
-    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, split[0] if K else None, y_hot)
+    if K:
+        y_hot, skip = _hot_y(x, w_up, w_down, hot_idx, split[2]), split[0]
+    elif P:  # the prefix's dense part from h itself: two GEMMs on contiguous weight rows
+        y_hot = torch.mm(x, w_up[:P].T).mul_(h[:, :P]) @ w_down[:P]
+        skip = _prefix_pos(P, F, x.device)
+    else:
+        y_hot = skip = None
+    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot)
     if not return_stats:
         return y, None
     return y, InferenceStats((pat.row_ptr[1:] > capacity).sum(dtype=torch.int32))

@@ -34,11 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
-from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split  # noqa: E402
+from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split, unit_order  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
+CALIBRATION_ROWS = 4096  # untimed rows that order the units for --hot-prefix
 
 
 def write_results(path: str, rows: list[dict], **extra) -> None:
@@ -134,7 +135,18 @@ def gate_call(x, w_gate):
     return twell_gate(x, w_gate)
 
 
-def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict]:
+def calibrated_order(cal: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
+    """Units by firing count on the calibration rows, most first (ties by index): the order a model's
+    units would be stored in for hot_prefix (a property of the weights, chosen once)."""
+    fires = torch.zeros(w_gate.shape[0], device=w_gate.device, dtype=torch.int64)
+    for c in cal.split(8192):
+        fires += (c.float() @ w_gate.float().T > 0).sum(0)
+    return unit_order(fires)
+
+
+def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=None) -> list[dict]:
+    """calibration: rows [C, D] of x's distribution (not timed) ordering the units for the hot-prefix
+    variants (None: x itself, in-sample)."""
     x, w_gate, w_up, w_down = inputs
     M, D = x.shape
     F = w_gate.shape[0]
@@ -172,12 +184,28 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
+            variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
         pre = x.float() @ w_gate.float().T
+        permuted = None
+        if any(kw.get("hot_prefix") for kw in variants):
+            order = calibrated_order(x if calibration is None else calibration, w_gate)
+            permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
             K = kw.get("hot_units", 0)
+            P = kw.get("hot_prefix", 0)
+            wts = permuted[1] if P else (w_gate, w_up, w_down)
             hot_gate_ms = hot_mm_ms = None
             cold_pairs = pairs
+            if P:  # the prefix's two GEMMs alone, on the gate's own h
+                cold_pairs = pairs - float((pre[:, permuted[0][:P]] > 0).sum())
+                h_p = relu_gate_bits(x, wts[0])[0]
+                hot_mm_ms = timed(
+                    lambda w=wts, P=P, h=h_p: torch.mm(x, w[1][:P].T).mul_(h[:, :P]) @ w[2][:P],
+                    graph,
+                    args.rep,
+                )
+                del h_p
             if K:
                 hot = twell_gate_hot(x, w_gate, K)
                 cold_pairs = pairs - float((pre[:, hot.hot_idx] > 0).sum())
@@ -186,22 +214,24 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                 del hot
             if kw.get("schedule") == "csr":  # its gate: the relu + bitmask GEMM alone
                 hot_gate_ms = timed(lambda: relu_gate_bits(x, w_gate), graph, args.rep)
-            y, stats = twell_ffn_inference(x, w_gate, w_up, w_down, return_stats=True, **kw)
-            err = row_errors(y, x, w_gate, w_up, w_down)
+            y, stats = twell_ffn_inference(x, *wts, return_stats=True, **kw)
+            err = row_errors(y, x, *wts)
             del y
-            ms = timed(lambda kw=kw: twell_ffn_inference(pick(), w_gate, w_up, w_down, **kw), graph, args.rep)
+            ms = timed(lambda kw=kw, w=wts: twell_ffn_inference(pick(), *w, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
             layer_ms = None
             if layers:
                 layer_ms = timed_layers(
                     lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
                 )
-            if "hot_units" in kw:
+            if P:
+                name = f"csr-p{P}"
+            elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             else:  # "s16": split 16 given; "d16": the default, which picks 16 here
                 name = f"s{kw['split']}" if "split" in kw else f"d{decode_split(M)}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
-                kernels, wall = kernel_times(lambda kw=kw: twell_ffn_inference(x, w_gate, w_up, w_down, **kw))
+                kernels, wall = kernel_times(lambda kw=kw, w=wts: twell_ffn_inference(x, *w, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
                 profiles.append(dict(tokens=M, d_ff=F, variant=name, wall_ms=wall, kernels=kernels))
             rows.append(
@@ -211,6 +241,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None) -> list[dict
                     d_ff=F,
                     variant=name,
                     hot_units=K,
+                    hot_prefix=P,
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
@@ -270,6 +301,13 @@ def main(argv=None):
     p.add_argument("--d-ff", type=int, nargs="*", default=[5632])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--hot-units", type=int, nargs="*", default=[0, 256, 512], help="K dense units, M > 64")
+    p.add_argument(
+        "--hot-prefix",
+        type=int,
+        nargs="*",
+        default=[],
+        help="M > 64: csr with the first P units (ordered by firing on calibration rows) dense",
+    )
     p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
     p.add_argument(
         "--decode-splits",
@@ -318,8 +356,11 @@ def main(argv=None):
         else:
             for F in args.d_ff:
                 for M in args.tokens:
-                    inputs = paper_like_ffn_inputs(M, args.d_model, F, device="cuda", seed=M + F)
-                    new = bench_one(inputs, args, compiled, profiles)
+                    cal = CALIBRATION_ROWS if any(args.hot_prefix) and M > DECODE_MAX_TOKENS else 0
+                    inputs = paper_like_ffn_inputs(M + cal, args.d_model, F, device="cuda", seed=M + F)
+                    calibration = inputs[0][M:] if cal else None  # fresh rows of the same layer
+                    inputs = (inputs[0][:M].contiguous(), *inputs[1:])
+                    new = bench_one(inputs, args, compiled, profiles, calibration)
                     print_table(new)
                     rows += new
                     del inputs

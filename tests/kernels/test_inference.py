@@ -104,6 +104,21 @@ def test_inference_at_paper_size(hot, M):
     assert err.max() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [65, 16384])
+def test_hot_prefix_at_paper_size(M):
+    from kernels import unit_order
+
+    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
+    make_rows_dense(x, [M // 2])
+    order = unit_order((x.float() @ wg.float().T > 0).sum(0))
+    wg, wu, wd = (w[order].contiguous() for w in (wg, wu, wd))
+    y = twell_ffn_inference(x, wg, wu, wd, hot_prefix=512)
+    ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
+    err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
+    assert err.max() < 1e-2, f"worst row {int(err.argmax())}: {float(err.max()):.3g}"
+
+
 @pytest.mark.parametrize("path", ["fused", "two_kernel"])
 def test_split_rows_are_summed_by_their_last_program(path, poisoned_empty):
     """split > 1: each program of a row stores a partial and the last one to take the row's ticket
@@ -194,6 +209,41 @@ def test_csr_positives_past_the_capacity_are_read_from_h(hot, monkeypatch, poiso
         assert int(stats.overflow_rows) == int((ends > 37).sum())
 
 
+@pytest.mark.parametrize("P,ordered", [(64, True), (128, False), (320, True)])
+def test_hot_prefix_matches_reference_on_hard_patterns(P, ordered, poisoned_empty):
+    """hot_prefix=P: the first P units dense from h, the rest through the CSR (whose capacity these
+    small batches overflow: the h walk must skip the prefix). Exact whatever the order (ordered:
+    units stored most-firing first, as a model would after calibration; P = d_ff: all dense)."""
+    from kernels import unit_order
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
+    if ordered:
+        order = unit_order((x.float() @ wg.float().T > 0).sum(0))
+        wg, wu, wd = (w[order].contiguous() for w in (wg, wu, wd))
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="csr", hot_prefix=P, return_stats=True)
+    err, _ = _row_errors(y, x, wg, wu, wd)
+    assert not torch.isnan(y).any()
+    assert err.max() < ROW_TOL[torch.bfloat16], f"seed {seed}: rel err {float(err.max()):.3g}"
+    if P == 320:
+        assert int(stats.overflow_rows) == 0
+
+
+def test_hot_prefix_rejects_bad_values():
+    x, w = torch.randn(80, 64), torch.randn(128, 64)
+    for bad in (-32, 48, 160, True, 1.0):
+        with pytest.raises(ValueError, match=r"hot_prefix=.* must be a multiple of 32 in \[0, d_ff=128\]"):
+            twell_ffn_inference(x, w, w, w, hot_prefix=bad)
+    with pytest.raises(ValueError, match="hot_prefix=64 and hot_units=8: choose one"):
+        twell_ffn_inference(x, w, w, w, hot_prefix=64, hot_units=8)
+    with pytest.raises(ValueError, match="hot_prefix=64 needs schedule='csr'"):
+        twell_ffn_inference(x, w, w, w, hot_prefix=64, schedule="row")
+    with pytest.raises(ValueError, match=r"fires must be per-unit counts \[d_ff\]"):
+        from kernels import unit_order
+
+        unit_order(torch.ones(2, 3))
+
+
 def test_csr_schedule_rejects_twell_options():
     x, w = torch.randn(4, 64), torch.randn(128, 64)
     with pytest.raises(ValueError, match="slots=8 is a TwELL option of schedule='row'"):
@@ -228,6 +278,6 @@ def test_compiles_without_graph_breaks_through_its_custom_op():
     assert torch.allclose(compiled(x, wg, wu, wd), block(x, wg, wu, wd), rtol=1e-5, atol=1e-6)
     torch.library.opcheck(
         torch.ops.twell.ffn_inference.default,
-        (x, wg, wu, wd, -1),
+        (x, wg, wu, wd, -1, 0),
         test_utils=("test_schema", "test_faketensor"),
     )

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
+from .prefix import gated_up
 from .train_format import build_pattern, hot_split
 from .train_rowfwd import row_ffn_inference
 
@@ -465,7 +466,7 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     if K:
         y_hot, skip = _hot_y(x, w_up, w_down, hot_idx, split[2]), split[0]
     elif P:  # the prefix's dense part from h itself: two GEMMs on contiguous weight rows
-        y_hot = torch.mm(x, w_up[:P].T).mul_(h[:, :P]) @ w_down[:P]
+        y_hot = gated_up(x, w_up, h, P) @ w_down[:P]
         skip = _prefix_pos(P, F, x.device)
     else:
         y_hot = skip = None

@@ -72,6 +72,9 @@ class ReLUGatedFFN(nn.Module):
         super().__init__()
         self.d_model, self.d_ff, self.impl, self.init_std = d_model, d_ff, impl, init_std
         self.hot_units = hot_units  # TwELL hot units (None: the kernels' default; see ModelConfig)
+        # Inference: the first hot_prefix units are computed densely (set by Transformer.order_ffn_units,
+        # which stores the units most-firing first; 0: off). Not saved: the order lives in the weights.
+        self.hot_prefix = 0
         self.w_gate = nn.Parameter(torch.empty(d_ff, d_model))
         self.w_up = nn.Parameter(torch.empty(d_ff, d_model))
         self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
@@ -86,6 +89,18 @@ class ReLUGatedFFN(nn.Module):
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, mean=0.0, std=self.init_std)
         self.set_sparse(False)
+
+    @torch.no_grad()
+    def reorder_units(self, order: torch.Tensor) -> None:
+        """Store hidden unit order[i] as unit i (rows of w_gate, w_up and w_down alike): the same
+        function, units in a new order. Optimizer state is not permuted: for a model done training."""
+        if order.shape != (self.d_ff,):
+            raise ValueError(
+                f"order must be a permutation of the {self.d_ff} units, got shape {tuple(order.shape)}"
+            )
+        order = order.to(self.w_gate.device)
+        for w in (self.w_gate, self.w_up, self.w_down):
+            w.copy_(w[order])
 
     def set_sparse(self, flag: bool) -> None:
         self.use_sparse.fill_(bool(flag))
@@ -140,7 +155,9 @@ class ReLUGatedFFN(nn.Module):
                 torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x2d.dtype
             )
             x2d, weights = x2d.to(dtype), tuple(w.to(dtype) for w in weights)
-            y = kernels.twell_ffn_inference(x2d, *weights, hot_units=self.hot_units)
+            y = kernels.twell_ffn_inference(
+                x2d, *weights, hot_units=self.hot_units, hot_prefix=self.hot_prefix
+            )
             return y.view(*x.shape[:-1], self.d_model), None, None
         # The training op gets the parameters themselves: it casts them under autocast (differentiably,
         # so gradients reach fp32 master weights) and keys the layer's entry-count history by w_gate.

@@ -116,6 +116,27 @@ class Transformer(nn.Module):
             layer_stats.append(stats)
         return self.norm(x), l1s, layer_stats
 
+    @torch.no_grad()
+    def order_ffn_units(self, tokens: torch.Tensor, hot_prefix: int = 512) -> list[float]:
+        """Inference preparation: store every FFN's units most-firing first (counted on `tokens`, int64
+        [B, S] calibration tokens, a few thousand or more) and compute the first `hot_prefix` of them
+        densely on tensor cores in the TwELL inference kernels (kernels.twell_ffn_inference's
+        hot_prefix; 0 reorders only). The model's function is unchanged. Returns, per layer, the share
+        of the calibration tokens' active units that fall in the prefix."""
+        from kernels import unit_order
+        from kernels.inference import check_hot_prefix
+
+        hot_prefix = check_hot_prefix(hot_prefix, self.cfg.d_ff)
+        _, _, layer_stats = self._decoder(tokens, with_stats=True)
+        shares = []
+        for block, stats in zip(self.layers, layer_stats):
+            fires = stats.unit_fires.long()
+            order = unit_order(fires)
+            block.ffn.reorder_units(order)
+            block.ffn.hot_prefix = hot_prefix
+            shares.append(float(fires[order[:hot_prefix]].sum() / fires.sum().clamp(min=1)))
+        return shares
+
     def update_ffn_routing(self, active_mean: torch.Tensor) -> list[bool]:
         """ "auto" impl: layer i takes the sparse path iff active_mean[i] < cfg.twell_threshold.
 

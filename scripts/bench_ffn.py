@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split, unit_order  # noqa: E402
+from kernels.prefix import gated_up  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
@@ -201,7 +202,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 cold_pairs = pairs - float((pre[:, permuted[0][:P]] > 0).sum())
                 h_p = relu_gate_bits(x, wts[0])[0]
                 hot_mm_ms = timed(
-                    lambda w=wts, P=P, h=h_p: torch.mm(x, w[1][:P].T).mul_(h[:, :P]) @ w[2][:P],
+                    lambda w=wts, P=P, h=h_p: gated_up(x, w[1], h, P) @ w[2][:P],
                     graph,
                     args.rep,
                 )

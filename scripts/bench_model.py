@@ -49,6 +49,7 @@ MODES = ("infer", "train")
 # Hidden states after the whole bf16 stack: per-layer rounding adds up (H200, 8 / 38 layers: compiled
 # dense differs from eager dense by 1.1e-2 / 2.2e-2 per row, TwELL by 1.1e-2 / 2.1e-2).
 ROW_TOLERANCE = 3e-2
+ORDER_ROWS = 4  # --hot-prefix: untimed rows (x seq-len tokens) whose unit firing orders each FFN
 
 
 class EnergyMeter:
@@ -141,11 +142,20 @@ def row_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_inference(
-    model: Transformer, tokens, variants, device, seconds, meter, warmup, min_iters=3
-) -> list[dict]:
-    """Decoder-stack forwards of bf16 copies of `model`, one row per (name, impl, compile) variant."""
+    model: Transformer, tokens, variants, device, seconds, meter, warmup, min_iters=3, hot_prefix=0,
+    order_tokens=None,
+) -> list[dict]:  # fmt: skip
+    """Decoder-stack forwards of bf16 copies of `model`, one row per (name, impl, compile) variant.
+    hot_prefix > 0: the copy's FFN units are first ordered on `order_tokens` (untimed rows) and the
+    TwELL variants compute that many of them densely (Transformer.order_ffn_units)."""
     net = copy.deepcopy(model).to(torch.bfloat16).eval()
     set_ffn_impl(net, "dense")
+    if hot_prefix:
+        shares = net.order_ffn_units(order_tokens, hot_prefix)
+        print(
+            f"hot prefix {hot_prefix}: share of active units in it by layer "
+            + " ".join(f"{s:.2f}" for s in shares)
+        )
     activity = activity_of(net, tokens[: max(1, 16384 // tokens.shape[1])])
     rows, reference = [], None
     for name, impl, compile_blocks in variants:
@@ -360,6 +370,10 @@ def parse_args(argv=None):
         "--lr", type=float, default=0.0, help="training steps' AdamW LR (0: the same work, the weights kept)"
     )
     p.add_argument("--l1-coef", type=float, default=2e-5)
+    p.add_argument(
+        "--hot-prefix", type=int, default=0,
+        help="inference: order FFN units on untimed rows and compute the first P densely (0: off)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_model.json")
@@ -395,6 +409,8 @@ def main(argv=None) -> list[dict]:
     rows_needed = max(
         args.batch if "infer" in args.mode else 0, args.micro_batch if "train" in args.mode else 0
     )
+    if args.hot_prefix and "infer" in args.mode:  # untimed rows that order the units
+        rows_needed = max(rows_needed, args.batch + ORDER_ROWS)
     batch = make_tokens(args, cfg, tokenizer, rows_needed, device)
     calibration = None
     if not args.checkpoint:
@@ -418,9 +434,11 @@ def main(argv=None) -> list[dict]:
         variants = [("dense", "dense", False), ("twell", "twell", False)]
         if args.compile:
             variants += [("dense+compile", "dense", True), ("twell+compile", "twell", True)]
+        order_tokens = batch[args.batch : args.batch + ORDER_ROWS, :-1] if args.hot_prefix else None
         rows += bench_inference(
-            model, tokens, variants, device, args.seconds, meter, args.warmup, args.min_iters
-        )
+            model, tokens, variants, device, args.seconds, meter, args.warmup, args.min_iters, args.hot_prefix,
+            order_tokens,
+        )  # fmt: skip
     if "train" in args.mode:
         ids, labels = batch[: args.micro_batch, :-1].contiguous(), batch[: args.micro_batch, 1:].contiguous()
         variants = [("dense", "dense", False, False), ("twell", "twell", False, False)]

@@ -152,7 +152,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
     M, D = x.shape
     F = w_gate.shape[0]
     profiles = [] if profiles is None else profiles
-    graph = M <= GRAPH_MAX_TOKENS
+    graph = M <= GRAPH_MAX_TOKENS or args.graph_all
     # Rotate copies of x when everything fits in L2, so the dense path cannot run from a warm cache.
     copies = [x] + [x.clone() for _ in range(3)] if M <= 4096 else [x]
     state = {"i": 0}
@@ -174,7 +174,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         gate_ms = timed(lambda: gate_call(x, w_gate), graph, args.rep)
         # Decode inside a captured model step: n layers' FFNs in one graph (distinct weight copies).
         layers = None
-        if graph and args.graph_layers > 1:
+        if M <= GRAPH_MAX_TOKENS and args.graph_layers > 1:
             layers = [(w_gate, w_up, w_down)] + [
                 tuple(w.clone() for w in (w_gate, w_up, w_down)) for _ in range(args.graph_layers - 1)
             ]
@@ -308,6 +308,12 @@ def main(argv=None):
         nargs="*",
         default=[],
         help="M > 64: csr with the first P units (ordered by firing on calibration rows) dense",
+    )
+    p.add_argument(
+        "--graph-all",
+        action="store_true",
+        help="replay every size from a CUDA graph (no host launch cost; "
+        "by default only M <= 64), as a captured or compiled model runs its FFNs",
     )
     p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
     p.add_argument(

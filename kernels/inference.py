@@ -449,6 +449,28 @@ def _prefix_pos(P: int, F: int, device) -> torch.Tensor:
 _prefix_cache: dict[tuple, torch.Tensor] = {}
 
 
+# The prefix's first GEMM (tensor cores) runs on a side stream while the CSR build and the row kernel
+# (L2 gathers) run on the caller's: it needs only h and x, and the row kernel no longer starts from
+# y_hot (the second GEMM adds onto its output instead). Capturable: a fork and a join on events.
+PREFIX_SIDE_STREAM = True
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _start_gated_up(x, w_up, h, P):
+    """gated_up into a buffer of the caller's stream, on a side stream when on CUDA (returns it, or
+    None when the GEMM ran in order)."""
+    gu = torch.empty(x.shape[0], P, device=x.device, dtype=x.dtype)
+    if not (x.is_cuda and PREFIX_SIDE_STREAM):
+        return gated_up(x, w_up, h, P, out=gu), None
+    side = _side_streams.get(x.device)
+    if side is None:
+        side = _side_streams[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))  # h and gu's memory are ready
+    with torch.cuda.stream(side):
+        gated_up(x, w_up, h, P, out=gu)
+    return gu, side
+
+
 def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     M, F = x.shape[0], w_gate.shape[0]
     hot_units = check_hot_units(hot_units)
@@ -459,18 +481,23 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
     hot_idx, split = hot_split(count_fires(bits), K, x) if K else (None, None)
     capacity = csr_capacity(M, F)
+    side = None
     if P:  # the prefix's positives leave the bitmask (one small strided fill), so the CSR skips them
         bits[:, : P // 32] = 0
+        gu, side = _start_gated_up(x, w_up, h, P)
     pat = build_pattern(h, bits, split, capacity, inference=True)
     del bits
     if K:
         y_hot, skip = _hot_y(x, w_up, w_down, hot_idx, split[2]), split[0]
-    elif P:  # the prefix's dense part from h itself: two GEMMs on contiguous weight rows
-        y_hot = gated_up(x, w_up, h, P) @ w_down[:P]
-        skip = _prefix_pos(P, F, x.device)
+    elif P:  # the prefix's dense part is added below
+        y_hot, skip = None, _prefix_pos(P, F, x.device)
     else:
         y_hot = skip = None
     y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot)
+    if P:  # y += (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P], once the side stream's GEMM is done
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        y.addmm_(gu, w_down[:P])
     if not return_stats:
         return y, None
     return y, InferenceStats((pat.row_ptr[1:] > capacity).sum(dtype=torch.int32))

@@ -53,12 +53,16 @@ def _configs():
 _tuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
 
 
-def gated_up(x: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, P: int) -> torch.Tensor:
+def gated_up(
+    x: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, P: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """[M, P] in x's dtype = h[:, :P] * (x @ w_up[:P]^T), fp32 accumulation, one rounding. x [M, D],
-    w_up [>= P, D], h [M, F >= P], all contiguous; D a multiple of 64."""
+    w_up [>= P, D], h [M, F >= P], all contiguous; D a multiple of 64. out: a contiguous [M, P] buffer
+    of x's dtype to write (None: a new one)."""
     M, D = x.shape
     F = h.shape[1]
-    out = torch.empty(M, P, device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(M, P, device=x.device, dtype=x.dtype)
     if M == 0 or P == 0:
         return out
     args = (x, w_up, h, out, M, P, min(next_pow2(M), 1 << 17))

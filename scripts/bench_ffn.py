@@ -187,7 +187,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [
-                dict(schedule="csr", hot_prefix=p, side_stream=side == "on")
+                dict(schedule="csr", hot_prefix=p, side_stream=("off", "up", "both").index(side))
                 for p in args.hot_prefix
                 if p
                 for side in args.prefix_side_stream
@@ -199,7 +199,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
-            side_stream = kw.pop("side_stream", True)
+            side_stream = kw.pop("side_stream", 1)
             inference_module.PREFIX_SIDE_STREAM = side_stream  # read at each call (and capture)
             K = kw.get("hot_units", 0)
             P = kw.get("hot_prefix", 0)
@@ -234,7 +234,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
                 )
             if P:
-                name = f"csr-p{P}" + ("" if side_stream else "i")
+                name = f"csr-p{P}" + ("i", "", "b")[side_stream]
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             else:  # "s16": split 16 given; "d16": the default, which picks 16 here
@@ -319,8 +319,8 @@ def main(argv=None):
         help="M > 64: csr with the first P units (ordered by firing on calibration rows) dense",
     )
     p.add_argument(
-        "--prefix-side-stream", nargs="*", choices=["on", "off"], default=["on"],
-        help="--hot-prefix: its first GEMM on a side stream (on; 'i' variants: off, in order)",
+        "--prefix-side-stream", nargs="*", choices=["off", "up", "both"], default=["up"],
+        help="--hot-prefix: its GEMMs on a side stream: the first (up), both, none (off: 'i' variants)",
     )  # fmt: skip
     p.add_argument(
         "--graph-all",

@@ -449,33 +449,6 @@ def _prefix_pos(P: int, F: int, device) -> torch.Tensor:
 _prefix_cache: dict[tuple, torch.Tensor] = {}
 
 
-# The prefix's first GEMM (tensor cores) runs on a side stream while the CSR build and the row kernel
-# (L2 gathers) run on the caller's: it needs only h and x, and the row kernel no longer starts from
-# y_hot (the second GEMM adds onto its output instead). Capturable: a fork and a join on events.
-# 0: in order; 1: the first GEMM on the side stream; 2: both GEMMs there (y_hot joins by one add).
-PREFIX_SIDE_STREAM = 1
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _start_prefix(x, w_up, w_down, h, P):
-    """(gu = gated_up, y_hot = gu @ w_down[:P] or None, side stream or None): buffers of the caller's
-    stream, filled on a side stream when on CUDA and PREFIX_SIDE_STREAM is set."""
-    gu = torch.empty(x.shape[0], P, device=x.device, dtype=x.dtype)
-    mode = PREFIX_SIDE_STREAM if x.is_cuda else 0
-    if not mode:
-        return gated_up(x, w_up, h, P, out=gu), None, None
-    side = _side_streams.get(x.device)
-    if side is None:
-        side = _side_streams[x.device] = torch.cuda.Stream(x.device)
-    y_hot = torch.empty_like(x) if mode == 2 else None
-    side.wait_stream(torch.cuda.current_stream(x.device))  # h and the buffers' memory are ready
-    with torch.cuda.stream(side):
-        gated_up(x, w_up, h, P, out=gu)
-        if y_hot is not None:
-            torch.mm(gu, w_down[:P], out=y_hot)
-    return gu, y_hot, side
-
-
 def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     M, F = x.shape[0], w_gate.shape[0]
     hot_units = check_hot_units(hot_units)
@@ -486,10 +459,9 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)
     hot_idx, split = hot_split(count_fires(bits), K, x) if K else (None, None)
     capacity = csr_capacity(M, F)
-    side = None
     if P:  # the prefix's positives leave the bitmask (one small strided fill), so the CSR skips them
         bits[:, : P // 32] = 0
-        gu, y_pre, side = _start_prefix(x, w_up, w_down, h, P)
+        gu = gated_up(x, w_up, h, P)  # h[:, :P] * (x w_up[:P]^T), rounded once
     pat = build_pattern(h, bits, split, capacity, inference=True)
     del bits
     if K:
@@ -499,13 +471,9 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     else:
         y_hot = skip = None
     y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot)
-    if P:  # y += (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P], once the side stream's GEMM is done
-        if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
-        if y_pre is not None:
-            y.add_(y_pre)
-        else:
-            y.addmm_(gu, w_down[:P])
+    if P:  # y += gu @ w_down[:P]: the prefix's second GEMM adds onto the row kernel's output (both
+        # GEMMs in order: on a side stream, overlapping the row kernel, they were slower; NOTES round 12)
+        y.addmm_(gu, w_down[:P])
     if not return_stats:
         return y, None
     return y, InferenceStats((pat.row_ptr[1:] > capacity).sum(dtype=torch.int32))

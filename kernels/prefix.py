@@ -6,7 +6,8 @@ cores than gathered row by row. Their gate values are already in the relu GEMM's
 y_hot = (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P] needs no selection and no gathers. This kernel is
 its first product with the multiply folded into the epilogue (fp32 tile times the gate, rounded once):
 cuBLAS plus a separate elementwise pass over h's strided prefix cost 47 + 27 us at 16384 tokens and
-378 + 214 us at 131072 (H200, P 512; kernels/NOTES.md round 12). The second product stays on cuBLAS.
+378 + 214 us at 131072 (H200, P 512; kernels/NOTES.md round 12). The second product stays on cuBLAS,
+as an addmm onto the row kernel's output.
 """
 
 from __future__ import annotations

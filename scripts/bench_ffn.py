@@ -32,7 +32,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import inference as inference_module  # noqa: E402
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split, unit_order  # noqa: E402
@@ -186,12 +185,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
-            variants += [
-                dict(schedule="csr", hot_prefix=p, side_stream=("off", "up", "both").index(side))
-                for p in args.hot_prefix
-                if p
-                for side in args.prefix_side_stream
-            ]
+            variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
         pre = x.float() @ w_gate.float().T
         permuted = None
         if any(kw.get("hot_prefix") for kw in variants):
@@ -199,8 +193,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
-            side_stream = kw.pop("side_stream", 1)
-            inference_module.PREFIX_SIDE_STREAM = side_stream  # read at each call (and capture)
             K = kw.get("hot_units", 0)
             P = kw.get("hot_prefix", 0)
             wts = permuted[1] if P else (w_gate, w_up, w_down)
@@ -234,7 +226,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
                 )
             if P:
-                name = f"csr-p{P}" + ("i", "", "b")[side_stream]
+                name = f"csr-p{P}"
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             else:  # "s16": split 16 given; "d16": the default, which picks 16 here
@@ -251,7 +243,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     variant=name,
                     hot_units=K,
                     hot_prefix=P,
-                    prefix_side_stream=side_stream if P else None,
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
@@ -318,10 +309,6 @@ def main(argv=None):
         default=[],
         help="M > 64: csr with the first P units (ordered by firing on calibration rows) dense",
     )
-    p.add_argument(
-        "--prefix-side-stream", nargs="*", choices=["off", "up", "both"], default=["up"],
-        help="--hot-prefix: its GEMMs on a side stream: the first (up), both, none (off: 'i' variants)",
-    )  # fmt: skip
     p.add_argument(
         "--graph-all",
         action="store_true",

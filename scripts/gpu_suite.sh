@@ -91,6 +91,15 @@ stage_sweep() {
 }
 
 # GPU-marked tests only (correctness at real sizes), and the decode sizes of bench_ffn under CUDA graphs.
+stage_prefix() {  # the hot prefix (units stored most-firing first, the first P dense) against csr alone
+  python3 scripts/bench_ffn.py --tokens 16384 131072 --schedules csr --hot-units 0 --hot-prefix 256 512 --graph-all \
+    --out "$OUT/bench_prefix.json" 2>&1 | tee "$OUT/bench_prefix.txt"
+  for p in 0 512; do
+    python3 scripts/bench_model.py --model 0.5b --mode infer --compile --hot-prefix $p \
+      --out "$OUT/bench_model_0.5b_p$p.json" 2>&1 | tee "$OUT/bench_model_0.5b_p$p.txt"
+  done
+}
+
 stage_gputests() {
   python3 -m pytest -q -m gpu tests/kernels tests/model 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
 }

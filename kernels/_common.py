@@ -15,19 +15,36 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _count_or_minus_one(k) -> int:
+    """k as an int if it is a non-negative integer of any integer type but bool, else -1."""
+    try:
+        value = operator.index(k)
+    except TypeError:
+        return -1
+    return -1 if isinstance(k, bool) or value < 0 else value
+
+
 def check_hot_units(k, name: str = "hot_units", default: str = "None") -> int | None:
     """None (the kernels' default) or k as an int >= 0 (any integer type, not bool); anything else is a
     ValueError naming `name` (the argument or config key the caller was given) and `default` (how the
     caller spells None)."""
     if k is None:
         return None
-    try:
-        value = operator.index(k)
-    except TypeError:
-        value = -1
-    if isinstance(k, bool) or value < 0:
+    value = _count_or_minus_one(k)
+    if value < 0:
         raise ValueError(
             f"{name}={k!r} must be an integer >= 0 (0 turns hot units off) or {default} (the default)"
+        )
+    return value
+
+
+def check_hot_prefix(p, F: int, name: str = "hot_prefix") -> int:
+    """p as an int in [0, F], a multiple of 32 (whole words of the gate's bitmask); else a ValueError
+    naming `name` and the fix."""
+    value = _count_or_minus_one(p)
+    if value < 0 or value % 32 or value > F:
+        raise ValueError(
+            f"{name}={p!r} must be a multiple of 32 in [0, d_ff={F}] (0: off); e.g. {min(512, F // 32 * 32)}"
         )
     return value
 

@@ -24,14 +24,20 @@ NOTES.md has the arithmetic.
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_ffn_args, check_hot_units, check_kernel_device, interpreting, next_pow2
+from ._common import (
+    check_ffn_args,
+    check_hot_prefix,
+    check_hot_units,
+    check_kernel_device,
+    interpreting,
+    next_pow2,
+)
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
 from .train_format import build_pattern, hot_split
@@ -398,20 +404,6 @@ def unit_order(fires: torch.Tensor) -> torch.Tensor:
     if fires.dim() != 1:
         raise ValueError(f"fires must be per-unit counts [d_ff], got shape {tuple(fires.shape)}")
     return torch.argsort(fires, descending=True, stable=True)
-
-
-def check_hot_prefix(p, F: int, name: str = "hot_prefix") -> int:
-    """p as an int in [0, F], a multiple of 32 (whole words of the gate's bitmask); else a ValueError
-    naming `name` and the fix."""
-    try:
-        value = operator.index(p)
-    except TypeError:
-        value = -1
-    if isinstance(p, bool) or value < 0 or value % 32 or value > F:
-        raise ValueError(
-            f"{name}={p!r} must be a multiple of 32 in [0, d_ff={F}] (0: off); e.g. {min(512, F // 32 * 32)}"
-        )
-    return value
 
 
 @torch.library.custom_op("twell::ffn_inference", mutates_args=())

@@ -124,7 +124,7 @@ class Transformer(nn.Module):
         hot_prefix; 0 reorders only). The model's function is unchanged. Returns, per layer, the share
         of the calibration tokens' active units that fall in the prefix."""
         from kernels import unit_order
-        from kernels.inference import check_hot_prefix
+        from kernels._common import check_hot_prefix
 
         hot_prefix = check_hot_prefix(hot_prefix, self.cfg.d_ff)
         _, _, layer_stats = self._decoder(tokens, with_stats=True)

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.gate import relu_gate_bits, twell_gate_hot  # noqa: E402
+from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split, unit_order  # noqa: E402
 from kernels.prefix import gated_up  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
@@ -139,10 +139,7 @@ def gate_call(x, w_gate):
 def calibrated_order(cal: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
     """Units by firing count on the calibration rows, most first (ties by index): the order a model's
     units would be stored in for hot_prefix (a property of the weights, chosen once)."""
-    fires = torch.zeros(w_gate.shape[0], device=w_gate.device, dtype=torch.int64)
-    for c in cal.split(8192):
-        fires += (c.float() @ w_gate.float().T > 0).sum(0)
-    return unit_order(fires)
+    return unit_order(count_fires(relu_gate_bits(cal, w_gate)[1]))  # the kernels' own positives
 
 
 def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=None) -> list[dict]:
@@ -198,15 +195,15 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             wts = permuted[1] if P else (w_gate, w_up, w_down)
             hot_gate_ms = hot_mm_ms = None
             cold_pairs = pairs
-            if P:  # the prefix's two GEMMs alone, on the gate's own h
+            if P:  # the prefix's two GEMMs alone as the schedule runs them: onto a cold part's y
                 cold_pairs = pairs - float((pre[:, permuted[0][:P]] > 0).sum())
-                h_p = relu_gate_bits(x, wts[0])[0]
+                h_p, y_p = relu_gate_bits(x, wts[0])[0], torch.zeros_like(x)
                 hot_mm_ms = timed(
-                    lambda w=wts, P=P, h=h_p: gated_up(x, w[1], h, P) @ w[2][:P],
+                    lambda w=wts, P=P, h=h_p, y=y_p: torch.addmm(y, gated_up(x, w[1], h, P), w[2][:P]),
                     graph,
                     args.rep,
                 )
-                del h_p
+                del h_p, y_p
             if K:
                 hot = twell_gate_hot(x, w_gate, K)
                 cold_pairs = pairs - float((pre[:, hot.hot_idx] > 0).sum())

@@ -17,94 +17,21 @@ from .train_sparse import _tuned
 
 
 @triton.jit
-def _entries(e0, end, cols_ptr, c0_ptr, c1_ptr, CHUNK: tl.constexpr, DX: tl.constexpr):
-    """Entries e0 .. e0 + CHUNK of a row, masked at `end`: (offsets, in range, units int64, coefficient 0
-    fp32, coefficient 1: d_up for the dx pass, else coefficient 0 again, not loaded)."""
+def _row_fwd_step(e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D: tl.constexpr,
+                  CHUNK: tl.constexpr, STORE_UP: tl.constexpr):  # fmt: skip
     offs = e0 + tl.arange(0, CHUNK)
     ok = offs < end
     units = tl.load(cols_ptr + offs, mask=ok, other=0).to(tl.int64)
-    c0 = tl.load(c0_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    c1 = tl.load(c1_ptr + offs, mask=ok, other=0.0).to(tl.float32) if DX else c0
-    return offs, ok, units, c0, c1
-
-
-@triton.jit
-def _weight_rows(units, ok, a_ptr, b_ptr, ds, d_ok, D: tl.constexpr):
-    """Whole rows a[units] and b[units] ([CHUNK, BLOCK_D]), both issued before either is used."""
+    gate = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     w_off = units[:, None] * D + ds[None, :]
     live = ok[:, None] & d_ok[None, :]
-    return tl.load(a_ptr + w_off, mask=live, other=0.0), tl.load(b_ptr + w_off, mask=live, other=0.0)
-
-
-@triton.jit
-def _entry_math(ent, wa, wb, acc, l1, x, up_ptr, STORE_UP: tl.constexpr, DX: tl.constexpr):
-    """Forward (wa = w_up, wb = w_down rows, c0 = gate): u = x . w_up, h = gate u, acc += h w_down,
-    l1 += |h|. dx (wa = w_gate, wb = w_up rows): acc += d_gate w_gate + d_up w_up."""
-    offs, ok, _units, c0, c1 = ent
-    if DX:
-        return acc + tl.sum(c0[:, None] * wa.to(tl.float32) + c1[:, None] * wb.to(tl.float32), axis=0), l1
-    up = tl.sum(wa.to(tl.float32) * x[None, :], axis=1)
+    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+    wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
+    up = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
     if STORE_UP:
         tl.store(up_ptr + offs, up, mask=ok)
-    h = c0 * up
-    return acc + tl.sum(h[:, None] * wb.to(tl.float32), axis=0), l1 + tl.sum(tl.abs(h), axis=0)
-
-
-@triton.jit
-def _walk_step(e0, end, acc, l1, state, x, cols_ptr, c0_ptr, c1_ptr, wa_ptr, wb_ptr, up_ptr, ds, d_ok,
-               D: tl.constexpr, CHUNK: tl.constexpr, STORE_UP: tl.constexpr, DX: tl.constexpr,
-               PREFETCH: tl.constexpr):  # fmt: skip
-    """One step of a row walk (entries e0 .. e0 + CHUNK); `state` carries what earlier steps loaded ahead."""
-    if PREFETCH == 0:  # columns, then their weight rows: two dependent round trips a step
-        ent = _entries(e0, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX)
-        wa, wb = _weight_rows(ent[2], ent[1], wa_ptr, wb_ptr, ds, d_ok, D)
-        acc, l1 = _entry_math(ent, wa, wb, acc, l1, x, up_ptr, STORE_UP, DX)
-        return acc, l1, state
-    elif PREFETCH == 1:  # state: this step's entries; the next step's load while the rows are in flight
-        ent = state
-        wa, wb = _weight_rows(ent[2], ent[1], wa_ptr, wb_ptr, ds, d_ok, D)
-        nxt = _entries(e0 + CHUNK, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX)
-        acc, l1 = _entry_math(ent, wa, wb, acc, l1, x, up_ptr, STORE_UP, DX)
-        return acc, l1, nxt
-    else:  # state: this step's entries and rows, the next step's entries: rows always in flight
-        ent, wa, wb, nxt = state
-        n_wa, n_wb = _weight_rows(nxt[2], nxt[1], wa_ptr, wb_ptr, ds, d_ok, D)
-        nxt2 = _entries(e0 + 2 * CHUNK, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX)
-        acc, l1 = _entry_math(ent, wa, wb, acc, l1, x, up_ptr, STORE_UP, DX)
-        return acc, l1, (nxt, n_wa, n_wb, nxt2)
-
-
-@triton.jit
-def _row_walk(start, end, acc, l1, x, cols_ptr, c0_ptr, c1_ptr, wa_ptr, wb_ptr, up_ptr, ds, d_ok,
-              D: tl.constexpr, CHUNK: tl.constexpr, STORE_UP: tl.constexpr, DX: tl.constexpr,
-              WHILE_LOOP: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """A row's CSR entries start .. end, CHUNK at a time (_walk_step). PREFETCH 0: each step loads its
-    columns, then their weight rows; 1: the next step's columns and coefficients load while this
-    step's rows are in flight; 2: also the next step's rows (double-buffered: more registers, so
-    fewer programs resident). Same arithmetic in the same order in every mode."""
-    if PREFETCH == 0:
-        state = start  # nothing loaded ahead
-    elif PREFETCH == 1:
-        state = _entries(start, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX)
-    else:
-        ent = _entries(start, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX)
-        wa, wb = _weight_rows(ent[2], ent[1], wa_ptr, wb_ptr, ds, d_ok, D)
-        state = (ent, wa, wb, _entries(start + CHUNK, end, cols_ptr, c0_ptr, c1_ptr, CHUNK, DX))
-    if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
-        e0 = start
-        while e0 < end:
-            acc, l1, state = _walk_step(
-                e0, end, acc, l1, state, x, cols_ptr, c0_ptr, c1_ptr, wa_ptr, wb_ptr, up_ptr, ds, d_ok, D,
-                CHUNK, STORE_UP, DX, PREFETCH,
-            )  # fmt: skip
-            e0 += CHUNK
-    else:
-        for e0 in range(start, end, CHUNK):
-            acc, l1, state = _walk_step(
-                e0, end, acc, l1, state, x, cols_ptr, c0_ptr, c1_ptr, wa_ptr, wb_ptr, up_ptr, ds, d_ok, D,
-                CHUNK, STORE_UP, DX, PREFETCH,
-            )  # fmt: skip
-    return acc, l1
+    h = gate * up
+    return acc + tl.sum(h[:, None] * wd.to(tl.float32), axis=0), l1 + tl.sum(tl.abs(h), axis=0)
 
 
 @triton.jit
@@ -134,36 +61,9 @@ def _row_past_cap(row, start, cap, acc, l1, x, h_ptr, hot_pos_ptr, wu_ptr, wd_pt
     return acc, l1
 
 
-# (CHUNK, warps, PREFETCH) the autotuner picks from: spill-free at D 2048 on sm_90 in all three kernels
-# (`python scripts/kernel_resources.py` compiles them without a GPU: 40-182 registers a thread, 1-8
-# programs an SM; (8, 8, 2), (4, 2, 1-2) and (2, 8, 2) in dx spill, as do (16, 8) and (8, 4)).
-ROW_CONFIGS = (
-    (8, 8, 0), (4, 8, 0), (4, 4, 0), (8, 8, 1), (4, 8, 1), (4, 4, 1), (2, 4, 1), (2, 8, 1), (4, 8, 2),
-    (2, 4, 2),
-)  # fmt: skip
-_row_settings: dict = {"prefetch": None}
-
-
-def set_row_prefetch(mode: int | None) -> None:
-    """Benchmark switch for the row kernels (forward, inference and dx): autotune over the configs of
-    one PREFETCH mode (0, 1, 2; see _row_walk) or over all of them (None, the default)."""
-    if mode not in (None, 0, 1, 2):
-        raise ValueError(f"row prefetch mode {mode!r} must be 0, 1, 2 or None (autotune over all)")
-    _row_settings["prefetch"] = mode
-
-
-def _configs(prefetch: int | None = None):
-    return [
-        triton.Config({"CHUNK": c, "PREFETCH": p}, num_warps=w)
-        for c, w, p in ROW_CONFIGS
-        if prefetch is None or p == prefetch
-    ]
-
-
-def _launchers(kernel, key):
-    """One autotuned launcher per prefetch setting (None: all configs)."""
-    tuned = {mode: _tuned(_configs(mode), key=key)(kernel) for mode in (None, 0, 1, 2)}
-    return lambda: tuned[_row_settings["prefetch"]]
+def _configs():
+    # Spill-free at D 2048 on sm_90 (cuobjdump: 143-169 registers); (16, 8) and (8, 4) spill.
+    return [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((8, 8), (4, 8), (4, 4))]
 
 
 @triton.jit
@@ -171,7 +71,7 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
                     l1_ptr, l1_init_ptr, h_ptr, hot_pos_ptr, cap, HAS_L1_INIT: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr,
                     STORE_UP: tl.constexpr, STORE_L1: tl.constexpr, PAST_CAP: tl.constexpr, F: tl.constexpr,
-                    HOT: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+                    HOT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
@@ -187,10 +87,18 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
     l1 = tl.zeros([], dtype=tl.float32)
     if HAS_L1_INIT:
         l1 += tl.load(l1_init_ptr + row)
-    acc, l1 = _row_walk(
-        start, end, acc, l1, x, cols_ptr, gate_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK,
-        STORE_UP, False, WHILE_LOOP, PREFETCH,
-    )  # fmt: skip
+    if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
+        e0 = start
+        while e0 < end:
+            acc, l1 = _row_fwd_step(
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK, STORE_UP
+            )
+            e0 += CHUNK
+    else:
+        for e0 in range(start, end, CHUNK):
+            acc, l1 = _row_fwd_step(
+                e0, end, acc, l1, x, cols_ptr, gate_ptr, wu_ptr, wd_ptr, up_ptr, ds, d_ok, D, CHUNK, STORE_UP
+            )
     if PAST_CAP:
         if row_end > cap:
             acc, l1 = _row_past_cap(
@@ -201,7 +109,7 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
         tl.store(l1_ptr + row, l1)
 
 
-_launch = _launchers(_row_fwd_kernel, ["D", "STORE_UP"])
+_launch = _tuned(_configs(), key=["D", "STORE_UP"])(_row_fwd_kernel)
 
 
 def row_ffn_forward(
@@ -219,7 +127,7 @@ def row_ffn_forward(
         return up, y, l1
     y = torch.empty_like(x)
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
-    _launch()[(M,)](
+    _launch[(M,)](
         row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
         l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), HAS_L1_INIT=l1_init is not None,
         D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None, STORE_UP=True,
@@ -240,7 +148,7 @@ def row_ffn_inference(
     y = torch.empty_like(x)
     if M == 0:
         return y
-    _launch()[(M,)](
+    _launch[(M,)](
         row_ptr, cols, gate, x, w_up, w_down, y, y, init if init is not None else y, y, y, h,
         hot_pos if hot_pos is not None else row_ptr, cols.numel(), HAS_L1_INIT=False, D=D,
         BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None, STORE_UP=False,
@@ -251,8 +159,7 @@ def row_ffn_inference(
 
 @triton.jit
 def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, CHUNK: tl.constexpr,
-                   PREFETCH: tl.constexpr):  # fmt: skip
+                   BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """dx[row] = sum over the row's entries of d_gate * w_gate[unit] + d_up * w_up[unit]: whole weight
     rows per step, the forward's schedule (one program per row, no D slices re-reading the entries)."""
     row = tl.program_id(0).to(tl.int64)
@@ -261,14 +168,33 @@ def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr
     start = tl.load(row_ptr_ptr + row)
     end = tl.load(row_ptr_ptr + row + 1)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc, _ = _row_walk(
-        start, end, acc, tl.zeros([], dtype=tl.float32), acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr,
-        ds, d_ok, D, CHUNK, False, True, WHILE_LOOP, PREFETCH,
-    )  # fmt: skip
+    if WHILE_LOOP:  # the interpreter cannot run range() to a loaded bound (numpy >= 2)
+        e0 = start
+        while e0 < end:
+            acc = _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D, CHUNK)
+            e0 += CHUNK
+    else:
+        for e0 in range(start, end, CHUNK):
+            acc = _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D, CHUNK)
     tl.store(dx_ptr + row * D + ds, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
 
 
-_launch_dx = _launchers(_row_dx_kernel, ["D"])
+@triton.jit
+def _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_ok, D: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    offs = e0 + tl.arange(0, CHUNK)
+    ok = offs < end
+    units = tl.load(cols_ptr + offs, mask=ok, other=0).to(tl.int64)
+    dg = tl.load(dg_ptr + offs, mask=ok, other=0.0)
+    du = tl.load(du_ptr + offs, mask=ok, other=0.0)
+    w_off = units[:, None] * D + ds[None, :]
+    live = ok[:, None] & d_ok[None, :]
+    wg = tl.load(wg_ptr + w_off, mask=live, other=0.0)
+    wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+    return acc + tl.sum(dg[:, None] * wg.to(tl.float32) + du[:, None] * wu.to(tl.float32), axis=0)
+
+
+_launch_dx = _tuned(_configs(), key=["D"])(_row_dx_kernel)
 
 
 def row_dx(
@@ -278,6 +204,6 @@ def row_dx(
     """dx [M, D] (fully written) = per row, sum of d_gate[e] w_gate[cols[e]] + d_up[e] w_up[cols[e]] over
     the row's CSR entries (fp32 coefficients, fp32 accumulation); rows without entries get 0."""
     M, D = dx.shape
-    _launch_dx()[(M,)](
+    _launch_dx[(M,)](
         row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting()
     )

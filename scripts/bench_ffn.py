@@ -38,7 +38,6 @@ from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_sp
 from kernels.prefix import gated_up  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train_rowfwd import set_row_prefetch  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
 CALIBRATION_ROWS = 4096  # untimed rows that order the units for --hot-prefix
@@ -184,9 +183,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
-            modes = row_prefetch_modes(args)
-            if modes != [None]:  # each variant once per row-kernel prefetch mode (the csr schedule's kernel)
-                variants = [dict(kw, row_prefetch=m) for kw in variants for m in modes]
         pre = x.float() @ w_gate.float().T
         permuted = None
         if any(kw.get("hot_prefix") for kw in variants):
@@ -194,9 +190,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
-            kw = dict(kw)
-            prefetch = kw.pop("row_prefetch", "-")
-            set_row_prefetch(None if prefetch == "-" else prefetch)
             K = kw.get("hot_units", 0)
             P = kw.get("hot_prefix", 0)
             wts = permuted[1] if P else (w_gate, w_up, w_down)
@@ -235,8 +228,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 name = f"{kw['schedule']}{K}"
             else:  # "s16": split 16 given; "d16": the default, which picks 16 here
                 name = f"s{kw['split']}" if "split" in kw else f"d{decode_split(M)}"
-            if prefetch != "-":
-                name += f"-f{'a' if prefetch is None else prefetch}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw, w=wts: twell_ffn_inference(x, *w, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -249,7 +240,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     variant=name,
                     hot_units=K,
                     hot_prefix=P,
-                    row_prefetch=None if prefetch == "-" else prefetch,
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
@@ -277,18 +267,12 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 )
             )
         del pre
-        set_row_prefetch(None)
         return rows
-
-
-def row_prefetch_modes(args) -> list:
-    """--row-prefetch as kernel settings: None (autotune over every mode) for 'auto', else the mode."""
-    return [None if m == "auto" else int(m) for m in getattr(args, "row_prefetch", None) or ["auto"]]
 
 
 def print_table(rows):
     head = (
-        f"{'tokens':>7} {'d_ff':>5} {'variant':>11} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
+        f"{'tokens':>7} {'d_ff':>5} {'variant':>8} {'graph':>5} {'dense':>8} {'compile':>8} {'twell':>8} "
         f"{'x dense':>7} {'gate':>7} {'hgate':>7} {'hmm':>7} {'sparse':>7} {'hot%':>5} {'sp GB/s':>7} "
         f"{'ovf':>4} {'maxerr':>8} ok {'L':>2} {'dense/L':>8} {'twell/L':>8} {'x L':>5}"
     )
@@ -296,7 +280,7 @@ def print_table(rows):
     opt = lambda v, fmt: f"{v:{fmt}}" if v is not None else f"{'-':>{fmt.split('.')[0]}}"  # noqa: E731
     for r in rows:
         print(
-            f"{r['tokens']:>7} {r['d_ff']:>5} {r['variant']:>11} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
+            f"{r['tokens']:>7} {r['d_ff']:>5} {r['variant']:>8} {str(r['cuda_graph']):>5} {r['dense_ms']:8.3f} "
             f"{opt(r['compiled_ms'], '8.3f')} {r['twell_ms']:8.3f} {r['speedup']:7.2f} {r['gate_ms']:7.3f} "
             f"{opt(r['hot_gate_ms'], '7.3f')} {opt(r['hot_mm_ms'], '7.3f')} {r['sparse_ms']:7.3f} "
             f"{100 * r['hot_share']:5.1f} {r['sparse_gbs']:7.0f} {r['overflow_rows']:>4} "
@@ -341,14 +325,6 @@ def main(argv=None):
         type=int,
         default=8,
         help="M <= 64: also time L layers' FFNs (own weight copies) in one CUDA graph, per layer (1: off)",
-    )
-    p.add_argument(
-        "--row-prefetch",
-        nargs="*",
-        choices=["auto", "0", "1", "2"],
-        default=["auto"],
-        help="M > 64: the row kernel's prefetch modes to time, each variant once per mode "
-        "(auto: the autotuner picks among all; kernels/train_rowfwd.py _row_walk)",
     )
     p.add_argument("--activations", help=".pt file with x, w_gate, w_up, w_down (w_down neuron-major [F, D])")
     p.add_argument("--compile", action="store_true", help="inference: also time torch.compile'd dense FFN")

@@ -41,7 +41,6 @@ from kernels.train import (  # noqa: E402
     set_sizes,
     twell_ffn,
 )
-from kernels.train_rowfwd import set_row_prefetch  # noqa: E402
 
 L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
@@ -341,18 +340,12 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     hots = getattr(args, "hot_units", None) or [0]
     variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
     sizes = getattr(args, "sizes", None) or ["estimate"]
-    prefetch = [None if m == "auto" else int(m) for m in getattr(args, "row_prefetch", None) or ["auto"]]
     impls += [
-        (
-            f"twell_{v}" + (f"_h{k}" if k else "") + ("" if z == "estimate" else f"_{z}")
-            + ("" if len(prefetch) == 1 else f"_f{'a' if f is None else f}"),
-            _twell_y_l1, v, k, z, f,
-        )
+        (f"twell_{v}" + (f"_h{k}" if k else "") + ("" if z == "estimate" else f"_{z}"), _twell_y_l1, v, k, z)
         for v in variants
         for k in hots
         for z in sizes
-        for f in prefetch
-    ]  # fmt: skip
+    ]
 
     rows = []
     for name, fn, variant, hot, *size in impls:
@@ -360,7 +353,6 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             set_backward_variant(variant)
             set_hot_units(hot)
             set_sizes(size[0])
-            set_row_prefetch(size[1])
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -391,7 +383,6 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     set_backward_variant("auto")
     set_hot_units(None)
     set_sizes("estimate")
-    set_row_prefetch(prefetch[0])  # the profile below runs the first mode
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -418,7 +409,6 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
                 args.profiles = getattr(args, "profiles", []) + _profile(leaves, grad_y, variant, hot)
         set_backward_variant("auto")
         set_hot_units(None)
-    set_row_prefetch(None)
     return rows
 
 
@@ -537,11 +527,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-graph", action="store_true",
         help="also time each step captured in one CUDA graph (dense eager and compiled, TwELL at static sizes)",
-    )  # fmt: skip
-    p.add_argument(
-        "--row-prefetch", nargs="*", choices=["auto", "0", "1", "2"], default=["auto"],
-        help="the row kernels' prefetch modes to time, each TwELL variant once per mode (auto: the "
-        "autotuner picks among all; kernels/train_rowfwd.py _row_walk)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines model fidelity sweep prefix rowwalk gputests decode profile hot dist
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines model fidelity sweep gputests decode profile hot dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -98,15 +98,6 @@ stage_prefix() {  # the hot prefix (units stored most-firing first, the first P 
     python3 scripts/bench_model.py --model 0.5b --mode infer --compile --hot-prefix $p \
       --out "$OUT/bench_model_0.5b_p$p.json" 2>&1 | tee "$OUT/bench_model_0.5b_p$p.txt"
   done
-}
-
-stage_rowwalk() {  # the row kernels' prefetch modes (kernels/train_rowfwd.py _row_walk), inference and training
-  timeout 150 python3 -m pytest -q tests/kernels/test_rowfwd.py 2>&1 | tail -3
-  timeout 240 python3 scripts/bench_ffn.py --tokens 16384 131072 --schedules csr --hot-units 0 --hot-prefix 512 \
-    --graph-all --row-prefetch 0 1 2 auto --profile --out "$OUT/bench_rowwalk.json" 2>&1 | tee "$OUT/bench_rowwalk.txt"
-  timeout 200 python3 scripts/bench_train.py --quick --cuda-graph --hot-units 1024 --variants fused3 \
-    --row-prefetch 0 1 2 auto --profile --out "$OUT/bench_train_rowwalk.json" > "$OUT/bench_train_rowwalk.txt" 2>&1
-  grep -v "^ *[0-9]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* [^ ]*(" "$OUT/bench_train_rowwalk.txt" | head -80
 }
 
 stage_gputests() {

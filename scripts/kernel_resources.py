@@ -1,6 +1,6 @@
 """Registers and spills of the row kernels' autotune configs on a GPU architecture, without a GPU.
 
-Each config of kernels/train_rowfwd.py (ROW_CONFIGS) is compiled for the target (sm_90 by default) with
+Each autotune config of kernels/train_rowfwd.py is compiled for the target (sm_90 by default) with
 Triton's bundled ptxas and read back with its cuobjdump, for the three ways the kernels run: the training
 forward (u stored, L1), inference (entries past the capacity read from h) and the backward's dx pass.
 A config that spills (STACK > 0) or needs so many registers that one program fills an SM costs
@@ -83,15 +83,14 @@ def main(argv=None) -> None:
     print(
         f"sm_{args.arch}, d_model {args.d_model}: registers a thread, spill stack, programs an SM holds by registers"
     )
-    print(
-        f"{'kernel':<20} {'CHUNK':>5} {'warps':>5} {'prefetch':>8} {'regs':>5} {'stack':>5} {'progs/SM':>8}"
-    )
+    print(f"{'kernel':<20} {'CHUNK':>5} {'warps':>5} {'regs':>5} {'stack':>5} {'progs/SM':>8}")
     for name, (fn, sig, const) in row_kernel_cases(args.d_model, args.d_ff).items():
-        for chunk, warps, prefetch in rf.ROW_CONFIGS:
-            r = resources(fn, sig, dict(const, CHUNK=chunk, PREFETCH=prefetch), warps, args.arch)
+        for cfg in rf._configs():
+            chunk, warps = cfg.kwargs["CHUNK"], cfg.num_warps
+            r = resources(fn, sig, dict(const, CHUNK=chunk), warps, args.arch)
             per_warp = -(-r["regs"] * 32 // 256) * 256  # registers are allocated per warp in 256s
             progs = REGS_PER_SM // (per_warp * warps)
-            print(f"{name:<20} {chunk:>5} {warps:>5} {prefetch:>8} {r['regs']:>5} {r['stack']:>5} {progs:>8}")
+            print(f"{name:<20} {chunk:>5} {warps:>5} {r['regs']:>5} {r['stack']:>5} {progs:>8}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""The row kernels (kernels/train_rowfwd.py) in every prefetch mode against float64 on one CSR.
+"""The row kernels (kernels/train_rowfwd.py) alone against float64 on one CSR.
 
-Rows hold 0 to 19 entries, so each mode's first config (CHUNK 8 or 4 under the interpreter) walks
-rows of zero, one, a partial and three or more steps, where a loaded-ahead step runs past the row.
+Rows hold 0 to 19 entries, so the interpreter's config (CHUNK 8) walks rows of zero, one, a partial
+and three steps.
 """
 
-import pytest
 import torch
 
 from kernels import train_rowfwd as rf
@@ -12,13 +11,6 @@ from kernels import train_rowfwd as rf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = (0, 1, 5, 19, 9, 0, 13, 4)  # entries per row
 D, F = 64, 40
-
-
-@pytest.fixture(params=[0, 1, 2])
-def prefetch(request):
-    rf.set_row_prefetch(request.param)
-    yield request.param
-    rf.set_row_prefetch(None)
 
 
 def _csr(gen):
@@ -37,7 +29,7 @@ def _rows(row_ptr):
     )
 
 
-def test_forward_matches_float64(prefetch, poisoned_empty):
+def test_forward_matches_float64(poisoned_empty):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     row_ptr, cols, gate, x, w_up, w_down, _ = _csr(gen)
     init = torch.randn(x.shape, generator=gen).to(DEVICE)
@@ -53,7 +45,7 @@ def test_forward_matches_float64(prefetch, poisoned_empty):
     torch.testing.assert_close(l1.double(), l1_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_dx_matches_float64(prefetch, poisoned_empty):
+def test_dx_matches_float64(poisoned_empty):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     row_ptr, cols, _, _, w_up, _, w_gate = _csr(gen)
     d_gate, d_up = (torch.randn(cols.numel(), generator=gen).to(DEVICE) for _ in range(2))
@@ -65,7 +57,7 @@ def test_dx_matches_float64(prefetch, poisoned_empty):
     torch.testing.assert_close(dx.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_inference_past_capacity_matches_float64(prefetch, poisoned_empty):
+def test_inference_past_capacity_matches_float64(poisoned_empty):
     """A capacity that ends inside row 3 (and cuts rows 4-7 off entirely): their positives come from
     h, skipping the hot units that init already holds."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
@@ -86,8 +78,3 @@ def test_inference_past_capacity_matches_float64(prefetch, poisoned_empty):
     hc = gate.double()[cold] * (x.double()[rows[cold]] * w_up.double()[c[cold]]).sum(1)
     ref = init.double().index_add(0, rows[cold], hc[:, None] * w_down.double()[c[cold]])
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
-
-
-def test_set_row_prefetch_rejects_unknown_modes():
-    with pytest.raises(ValueError, match="row prefetch mode 3"):
-        rf.set_row_prefetch(3)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2
-from .gate import gate_tile_preact
+from .gate import _gate_tile_tma, _grouped_tile, gate_tile_preact
 
 
 @triton.jit
@@ -25,14 +25,7 @@ def _gated_up_kernel(x_ptr, w_ptr, h_ptr, out_ptr, M, P, M_BUCKET, F: tl.constex
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """out [M, P] = h[:, :P] * (x @ w[:P]^T); h [M, F] row-major. M_BUCKET only keys autotuning."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(P, BLOCK_N)
-    group = pid // (GROUP_M * n_n)  # grouped order: GROUP_M row tiles share their x rows in L2
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = gate_tile_preact(x_ptr, w_ptr, rows, cols, M, P, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
@@ -42,16 +35,61 @@ def _gated_up_kernel(x_ptr, w_ptr, h_ptr, out_ptr, M, P, M_BUCKET, F: tl.constex
     tl.store(out_ptr + r64 * P + cols[None, :], (acc * g).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _configs():
+@triton.jit
+def _gated_up_tma_kernel(x_desc, w_desc, h_desc, out_desc, M, P, M_BUCKET, D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """_gated_up_kernel through TMA descriptors (Hopper+): x, w_up and h's tile come in by TMA and the
+    product leaves by a TMA store clipped to [M, P] (w_up rows and h columns at or past P only feed
+    output columns past P, which are not stored)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_N), GROUP_M)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    acc = _gate_tile_tma(x_desc, w_desc, off_m, off_n, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
+    g = h_desc.load([off_m, off_n]).to(tl.float32)
+    out_desc.store([off_m, off_n], (acc * g).to(out_desc.dtype))
+
+
+def _configs(pre_hook=None):
     # (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K 64; first = the interpreter's (small tiles run faster).
     table = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4)]
+    if pre_hook is not None:  # TMA: deeper pipelines fit (operands in shared memory only)
+        table += [(128, 128, 8, 4), (128, 256, 8, 4), (128, 128, 4, 5)]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64}, num_warps=w, num_stages=s)
+        triton.Config(
+            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64}, num_warps=w, num_stages=s, pre_hook=pre_hook
+        )
         for m, n, w, s in table
     ]
 
 
+def _set_blocks(nargs):
+    """Autotune pre-hook: the descriptors carry the config's block shapes."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["x_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["h_desc"].block_shape = [bm, bn]
+    nargs["out_desc"].block_shape = [bm, bn]
+
+
 _tuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
+_tuned_tma = triton.autotune(configs=_configs(_set_blocks), key=["M_BUCKET", "P", "D"])(_gated_up_tma_kernel)
+_loads = {"loads": None}
+
+
+def set_gated_up_loads(loads: str | None) -> None:
+    """Benchmark switch: "tma" (descriptors, Hopper+), "ptr" (pointer loads, any GPU) or None (TMA where
+    the GPU and the operands' alignment allow it)."""
+    if loads not in (None, "tma", "ptr"):
+        raise ValueError(f"gated_up loads={loads!r} must be 'tma', 'ptr' or None")
+    _loads["loads"] = loads
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    if _loads["loads"] is not None:
+        return _loads["loads"] == "tma"
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def gated_up(
@@ -66,13 +104,29 @@ def gated_up(
         out = torch.empty(M, P, device=x.device, dtype=x.dtype)
     if M == 0 or P == 0:
         return out
-    args = (x, w_up, h, out, M, P, min(next_pow2(M), 1 << 17))
-    flags = dict(F=F, D=D, GROUP_M=8, DOT_FP32=dot_in_fp32(x.dtype), PRECISION=dot_precision(x.dtype))
+    m_bucket = min(next_pow2(M), 1 << 17)
+    flags = dict(D=D, GROUP_M=8, DOT_FP32=dot_in_fp32(x.dtype), PRECISION=dot_precision(x.dtype))
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(P, meta["BLOCK_N"]),)  # noqa: E731
+    if _use_tma(x, w_up, h, out):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        cfg = _configs(_set_blocks)[0].kwargs  # placeholders: the pre-hook sets each config's blocks
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        descs = (
+            TensorDescriptor.from_tensor(x, [bm, bk]),
+            TensorDescriptor.from_tensor(w_up, [bn, bk]),
+            TensorDescriptor.from_tensor(h, [bm, bn]),
+            TensorDescriptor.from_tensor(out, [bm, bn]),
+        )
+        if interpreting():
+            _gated_up_tma_kernel[grid(cfg)](*descs, M, P, m_bucket, **flags, **cfg)
+        else:
+            _tuned_tma[grid](*descs, M, P, m_bucket, **flags)
+        return out
+    args = (x, w_up, h, out, M, P, m_bucket)
     if interpreting():
         cfg = _configs()[0].kwargs
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(P, cfg["BLOCK_N"]),)
-        _gated_up_kernel[grid](*args, **flags, **cfg)
+        _gated_up_kernel[grid(cfg)](*args, F=F, **flags, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(P, meta["BLOCK_N"]),)  # noqa: E731
-        _tuned[grid](*args, **flags)
+        _tuned[grid](*args, F=F, **flags)
     return out

@@ -439,15 +439,6 @@ def _prefix_pos(P: int, F: int, device) -> torch.Tensor:
 
 
 _prefix_cache: dict[tuple, torch.Tensor] = {}
-_prefix_settings = {"order": "addmm"}
-
-
-def set_prefix_order(order: str) -> None:
-    """Benchmark switch for hot_prefix: "addmm" (y = row kernel's cold part, then y += gu w_down[:P]) or
-    "init" (y_hot = gu w_down[:P] first, then the row kernel writes y = y_hot + the cold part)."""
-    if order not in ("addmm", "init"):
-        raise ValueError(f"prefix order {order!r} must be 'addmm' or 'init'")
-    _prefix_settings["order"] = order
 
 
 def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
@@ -467,16 +458,13 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     del bits
     if K:
         y_hot, skip = _hot_y(x, w_up, w_down, hot_idx, split[2]), split[0]
-    elif P:
-        skip = _prefix_pos(P, F, x.device)
-        # "addmm": the prefix's second GEMM adds onto the row kernel's output; "init": it runs first and
-        # the row kernel starts from it (not in place: the autotuner reruns the kernel). Both GEMMs in
-        # order: on a side stream, overlapping the row kernel, they were slower (NOTES round 12).
-        y_hot = torch.mm(gu, w_down[:P]) if _prefix_settings["order"] == "init" else None
+    elif P:  # the prefix's dense part is added below
+        y_hot, skip = None, _prefix_pos(P, F, x.device)
     else:
         y_hot = skip = None
     y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot)
-    if P and y_hot is None:  # y += gu @ w_down[:P]
+    if P:  # y += gu @ w_down[:P]: the prefix's second GEMM adds onto the row kernel's output (both
+        # GEMMs in order: on a side stream, overlapping the row kernel, they were slower; NOTES round 12)
         y.addmm_(gu, w_down[:P])
     if not return_stats:
         return y, None

@@ -7,9 +7,7 @@ Per (tokens, P), on paper-like inputs (d_model 2048, d_ff 5632, units stored mos
 untimed calibration rows, as bench_ffn.py --hot-prefix does), every time replayed from a CUDA graph:
 'cublas' = x @ w_up[:P]^T alone, 'cublas+mul' = that times h's strided prefix (two kernels),
 'ptr' / 'tma' = gated_up with pointer loads or TMA descriptors (kernels.prefix.set_gated_up_loads),
-and the whole FFN (twell_ffn_inference, hot_prefix=P) for each (gated_up loads, prefix order) of
-FFN_VARIANTS against dense cuBLAS ('addmm': y += gu w_down[:P] after the row kernel, 'init': that GEMM
-first and the row kernel starting from it; kernels.inference.set_prefix_order).
+and the whole FFN (twell_ffn_inference, hot_prefix=P) with each of the two against dense cuBLAS.
 Every output is checked against a float32 reference (gated_up: max relative error per row; the FFN:
 per row, < 1e-2 both).
 """
@@ -26,13 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import prefix, twell_ffn_inference  # noqa: E402
 from kernels.gate import relu_gate_bits  # noqa: E402
-from kernels.inference import set_prefix_order  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 from scripts.bench_ffn import CALIBRATION_ROWS, calibrated_order, row_errors, timed, write_results  # noqa: E402
 
 LOADS = ("ptr", "tma")
-FFN_VARIANTS = (("ptr", "addmm"), ("tma", "addmm"), ("tma", "init"))  # (gated_up loads, prefix order)
 
 
 def bench_shape(M: int, P: int, D: int, F: int, rep: int) -> dict:
@@ -54,22 +50,15 @@ def bench_shape(M: int, P: int, D: int, F: int, rep: int) -> dict:
                 err = (out.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
                 row[f"{loads}_err"] = float(err.max())
                 row[f"{loads}_ms"] = timed(lambda: prefix.gated_up(x, w_up, h, P), True, rep)
-            finally:
-                prefix.set_gated_up_loads(None)
-        for loads, order in FFN_VARIANTS:
-            prefix.set_gated_up_loads(loads)
-            set_prefix_order(order)
-            try:
                 y = twell_ffn_inference(x, w_gate, w_up, w_down, hot_prefix=P)
-                row[f"ffn_{loads}_{order}_err"] = float(row_errors(y, x, w_gate, w_up, w_down).max())
+                row[f"ffn_{loads}_err"] = float(row_errors(y, x, w_gate, w_up, w_down).max())
                 del y
-                row[f"ffn_{loads}_{order}_ms"] = timed(
+                row[f"ffn_{loads}_ms"] = timed(
                     lambda: twell_ffn_inference(x, w_gate, w_up, w_down, hot_prefix=P), True, rep
                 )
             finally:
                 prefix.set_gated_up_loads(None)
-                set_prefix_order("addmm")
-    row["ok"] = all(v < 1e-2 for k, v in row.items() if k.endswith("_err"))
+    row["ok"] = all(row[f"{k}_err"] < 1e-2 for k in ("ptr", "tma", "ffn_ptr", "ffn_tma"))
     return row
 
 
@@ -84,24 +73,20 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_prefix.py needs a CUDA GPU")
-    ffn_names = [f"{loads}/{order}" for loads, order in FFN_VARIANTS]
     print(
         f"{'tokens':>7} {'P':>4} {'cublas':>7} {'+mul':>7} {'ptr':>7} {'tma':>7} {'dense':>7} "
-        + " ".join(f"{n:>16}" for n in ffn_names)
-        + f" {'max err':>8} ok"
+        f"{'ffn ptr':>8} {'ffn tma':>8} {'x ptr':>6} {'x tma':>6} {'max err':>8} ok"
     )
     rows = []
     for M in args.tokens:
         for P in args.prefix:
             r = bench_shape(M, P, args.d_model, args.d_ff, args.rep)
             err = max(r[k] for k in r if k.endswith("_err"))
-            ffn = " ".join(
-                f"{r[f'ffn_{lo}_{od}_ms']:8.3f} ({r['dense_ms'] / r[f'ffn_{lo}_{od}_ms']:4.2f}x)"
-                for lo, od in FFN_VARIANTS
-            )
             print(
                 f"{M:>7} {P:>4} {r['cublas_ms']:7.3f} {r['cublas_mul_ms']:7.3f} {r['ptr_ms']:7.3f} "
-                f"{r['tma_ms']:7.3f} {r['dense_ms']:7.3f} {ffn} {err:8.1e} {'yes' if r['ok'] else 'NO'}",
+                f"{r['tma_ms']:7.3f} {r['dense_ms']:7.3f} {r['ffn_ptr_ms']:8.3f} {r['ffn_tma_ms']:8.3f} "
+                f"{r['dense_ms'] / r['ffn_ptr_ms']:6.2f} {r['dense_ms'] / r['ffn_tma_ms']:6.2f} {err:8.1e} "
+                f"{'yes' if r['ok'] else 'NO'}",
                 flush=True,
             )
             rows.append(r)

@@ -226,15 +226,12 @@ def test_csr_positives_past_the_capacity_are_read_from_h(hot, monkeypatch, poiso
         assert int(stats.overflow_rows) == int((ends > 37).sum())
 
 
-@pytest.mark.parametrize("P,ordered,order", [(64, True, "init"), (128, False, "addmm"), (320, True, "init")])
-def test_hot_prefix_matches_reference_on_hard_patterns(P, ordered, order, poisoned_empty, monkeypatch):
+@pytest.mark.parametrize("P,ordered", [(64, True), (128, False), (320, True)])
+def test_hot_prefix_matches_reference_on_hard_patterns(P, ordered, poisoned_empty):
     """hot_prefix=P: the first P units dense from h, the rest through the CSR (whose capacity these
     small batches overflow: the h walk must skip the prefix). Exact whatever the order (ordered:
-    units stored most-firing first, as a model would after calibration; P = d_ff: all dense) and
-    whichever way the prefix's down GEMM meets the cold part (order: kernels.inference.set_prefix_order)."""
-    from kernels import inference, unit_order
-
-    monkeypatch.setitem(inference._prefix_settings, "order", order)
+    units stored most-firing first, as a model would after calibration; P = d_ff: all dense)."""
+    from kernels import unit_order
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
@@ -258,10 +255,6 @@ def test_hot_prefix_rejects_bad_values():
         twell_ffn_inference(x, w, w, w, hot_prefix=64, hot_units=8)
     with pytest.raises(ValueError, match="hot_prefix=64 needs schedule='csr'"):
         twell_ffn_inference(x, w, w, w, hot_prefix=64, schedule="row")
-    from kernels.inference import set_prefix_order
-
-    with pytest.raises(ValueError, match="prefix order 'fused' must be 'addmm' or 'init'"):
-        set_prefix_order("fused")
     with pytest.raises(ValueError, match=r"fires must be per-unit counts \[d_ff\]"):
         from kernels import unit_order
 

@@ -6,7 +6,7 @@ forward (u stored, L1), inference (entries past the capacity read from h) and th
 A config that spills (STACK > 0) or needs so many registers that one program fills an SM costs
 occupancy on the device; this shows it before any GPU time is spent.
 
-    python scripts/kernel_resources.py [--arch 90] [--d-model 2048] [--d-ff 5632]
+    python scripts/kernel_resources.py [--arch 90] [--d-model 2048] [--d-ff 5632] [--check]
 """
 
 from __future__ import annotations
@@ -79,11 +79,17 @@ def main(argv=None) -> None:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--d-ff", type=int, default=5632)
+    p.add_argument("--check", action="store_true", help="exit 1 if any config spills registers")
     args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("TRITON_INTERPRET=1 makes the kernels interpreted functions, which do not compile: unset it")
+    if not os.path.exists(os.path.join(BIN, "cuobjdump")):
+        sys.exit(f"no cuobjdump in {BIN}: this Triton build has no NVIDIA backend tools (pip install triton)")
     print(
         f"sm_{args.arch}, d_model {args.d_model}: registers a thread, spill stack, programs an SM holds by registers"
     )
     print(f"{'kernel':<20} {'CHUNK':>5} {'warps':>5} {'regs':>5} {'stack':>5} {'progs/SM':>8}")
+    spills = []
     for name, (fn, sig, const) in row_kernel_cases(args.d_model, args.d_ff).items():
         for cfg in rf._configs():
             chunk, warps = cfg.kwargs["CHUNK"], cfg.num_warps
@@ -91,6 +97,10 @@ def main(argv=None) -> None:
             per_warp = -(-r["regs"] * 32 // 256) * 256  # registers are allocated per warp in 256s
             progs = REGS_PER_SM // (per_warp * warps)
             print(f"{name:<20} {chunk:>5} {warps:>5} {r['regs']:>5} {r['stack']:>5} {progs:>8}")
+            if r["stack"]:
+                spills.append(f"{name} CHUNK {chunk} warps {warps}")
+    if args.check and spills:
+        sys.exit(f"spilling configs: {', '.join(spills)}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,20 @@ def test_split_rows_are_summed_by_their_last_program(path, poisoned_empty):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 64])
+def test_decode_dense_row_takes_the_overflow_path(M):
+    """Decode defaults (64-wide tiles, 32 slots): a row where every unit fires overflows every tile and
+    is recomputed exactly, counted in overflow_rows; the other rows stay on their slots."""
+    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
+    make_rows_dense(x, [M // 2])
+    y, stats = twell_ffn_inference(x, wg, wu, wd, return_stats=True)
+    ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
+    err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
+    assert err.max() < 1e-2, f"worst row {int(err.argmax())}: {float(err.max()):.3g}"
+    assert int(stats.overflow_rows) >= 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 64])
 def test_decode_replays_in_a_cuda_graph(M):
     """Decode sizes in a CUDA graph (no host sync, no fill or cast nodes): every replay on new inputs

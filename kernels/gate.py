@@ -589,8 +589,9 @@ def _regime(M: int) -> str:
 
 
 def default_tile_n(M: int, F: int) -> int:
-    """Format width: 256 (the paper's) for large batches; narrower tiles give small batches more
-    programs (decode: 32-wide tiles make F/32 programs, enough to stream w_gate at HBM speed)."""
+    """Format width of twell_gate: 256 (the paper's) for large batches; narrower tiles give small batches
+    more programs (32 at M <= 64). The FFN's decode path picks its own format
+    (kernels.inference.DECODE_TILE_N: 64-wide tiles measured faster there, NOTES.md round 13)."""
     if interpreting():
         return 64
     if M >= 2048 and F >= 2048:

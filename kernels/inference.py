@@ -229,6 +229,7 @@ _tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", 
 )
 
 DECODE_MAX_TOKENS = 64
+DECODE_TILE_N, DECODE_SLOTS = 64, 32  # the TwELL format of the decode path (see _row_schedule)
 # Programs per row of the consumer at decode sizes (None: decode_split(M)); set_decode_split overrides.
 _settings: dict[str, int | None] = {"decode_split": None}
 
@@ -288,7 +289,7 @@ def _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, retu
         # streaming twice the rows of 32-wide tiles; a tile with more than 32 positives takes the exact
         # overflow path. H200, d_ff 5632, us per layer in an 8-layer graph, tiles 32 / 64 (NOTES round
         # 13): 1 token 17.3 / 16.6, 2: 21.0 / 17.4, 4: 19.9 / 18.6, 16: 22.8 / 21.9, 64: 28.3 / 27.8.
-        tile_n, slots = 64, 32
+        tile_n, slots = DECODE_TILE_N, DECODE_SLOTS
     hot_units = check_hot_units(hot_units)
     if hot_units is None:
         hot_units = default_hot_units(M, F)

@@ -34,7 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
-from kernels.inference import DECODE_MAX_TOKENS, SCHEDULES, _hot_part, decode_split, unit_order  # noqa: E402
+from kernels.inference import (  # noqa: E402
+    DECODE_MAX_TOKENS,
+    DECODE_SLOTS,
+    DECODE_TILE_N,
+    SCHEDULES,
+    _hot_part,
+    decode_split,
+    unit_order,
+)
 from kernels.prefix import gated_up  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
@@ -130,9 +138,9 @@ def row_errors(y, x, w_gate, w_up, w_down) -> torch.Tensor:
 
 
 def gate_call(x, w_gate):
-    """twell_gate as the row schedule calls it (decode: 32-wide tiles, 32 slots)."""
+    """twell_gate as the row schedule calls it (decode: its own format, DECODE_TILE_N / DECODE_SLOTS)."""
     if x.shape[0] <= DECODE_MAX_TOKENS:
-        return twell_gate(x, w_gate, tile_n=32, slots=32)
+        return twell_gate(x, w_gate, tile_n=DECODE_TILE_N, slots=DECODE_SLOTS)
     return twell_gate(x, w_gate)
 
 

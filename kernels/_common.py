@@ -49,6 +49,14 @@ def check_hot_prefix(p, F: int, name: str = "hot_prefix") -> int:
     return value
 
 
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can carry these tensors: Hopper or later (the interpreter emulates them)
+    and 16-byte aligned bases and row strides."""
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether kernels must upcast tl.dot operands to fp32.
 

@@ -30,6 +30,7 @@ from ._common import (
     dot_precision,
     interpreting,
     next_pow2,
+    tma_ready,
 )
 
 # What the epilogue writes; only TWELL is API, the others exist to time the mainloop in isolation.
@@ -712,9 +713,7 @@ def _bits_gemm(x, w_gate, h) -> str:
     aligned bases) and more rows than the decode regime's GEMV."""
     choice = _variant["bits_gemm"] or "persistent"  # measured faster on an H200 (PERSISTENT_CONFIGS)
     if choice == "persistent":
-        tma = interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
-        aligned = all(t.data_ptr() % 16 == 0 for t in (x, w_gate, h))
-        if not (tma and aligned and x.shape[0] > 64):
+        if not (tma_ready(x, w_gate, h) and x.shape[0] > 64):
             return "tiles"
     return choice
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2
+from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
 from .gate import _gate_tile_tma, _grouped_tile, gate_tile_preact
 
 
@@ -72,8 +72,12 @@ def _set_blocks(nargs):
     nargs["out_desc"].block_shape = [bm, bn]
 
 
-_tuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
-_tuned_tma = triton.autotune(configs=_configs(_set_blocks), key=["M_BUCKET", "P", "D"])(_gated_up_tma_kernel)
+_CONFIGS, _TMA_CONFIGS = (
+    _configs(),
+    _configs(_set_blocks),
+)  # built once: the launcher reads the first's blocks
+_tuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
+_tuned_tma = triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "P", "D"])(_gated_up_tma_kernel)
 _loads = {"loads": None}
 
 
@@ -88,9 +92,7 @@ def set_gated_up_loads(loads: str | None) -> None:
 def _use_tma(*tensors: torch.Tensor) -> bool:
     if _loads["loads"] is not None:
         return _loads["loads"] == "tma"
-    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+    return tma_ready(*tensors)
 
 
 def gated_up(
@@ -111,7 +113,7 @@ def gated_up(
     if _use_tma(x, w_up, h, out):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        cfg = _configs(_set_blocks)[0].kwargs  # placeholders: the pre-hook sets each config's blocks
+        cfg = _TMA_CONFIGS[0].kwargs  # placeholders: the pre-hook sets each config's blocks
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         descs = (
             TensorDescriptor.from_tensor(x, [bm, bk]),
@@ -126,7 +128,7 @@ def gated_up(
         return out
     args = (x, w_up, h, out, M, P, m_bucket)
     if interpreting():
-        cfg = _configs()[0].kwargs
+        cfg = _CONFIGS[0].kwargs
         _gated_up_kernel[grid(cfg)](*args, F=F, **flags, **cfg)
     else:
         _tuned[grid](*args, F=F, **flags)

@@ -466,7 +466,7 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
         y_hot, skip = None, _prefix_pos(P, F, x.device)
     else:
         y_hot = skip = None
-    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot)
+    y = row_ffn_inference(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, h, skip, y_hot, pat.long)
     if P:  # y += gu @ w_down[:P]: the prefix's second GEMM adds onto the row kernel's output (both
         # GEMMs in order: on a side stream, overlapping the row kernel, they were slower; NOTES round 12)
         y.addmm_(gu, w_down[:P])

@@ -239,7 +239,7 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
     # The row kernel starts y from y_hot (rows without entries: y_hot or 0) and sums |h| per row on top
     # of the hot units' share.
     up, y, l1_rows = row_ffn_forward(
-        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows, long=pat.long
     )
     rows, cols, gate = pat.rows, pat.cols, pat.gate
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._common import interpreting, next_pow2
 from .gate import _popc32, _scatter_hot, load_bit_words, select_hot_units
+from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 
 class PendingTotals:
@@ -71,6 +72,9 @@ class TrainPattern(NamedTuple):
     # Built with a capacity: the entry arrays hold `capacity` slots (the first nnz valid once
     # pending.read() shows nnz <= capacity); None when exact or static (nothing is read back).
     pending: PendingTotals | None = None
+    # The rows with more than LONG_ROW entries by row_ptr (clamped or not, as built), which the row
+    # kernels serve first (kernels/train_rowfwd.py; with no entries at all the list stays empty).
+    long: LongRows | None = None
 
 
 @triton.jit
@@ -91,21 +95,24 @@ def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, t
 @triton.jit
 def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
-    K_HOT, M_BUCKET, cap, HOT: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr,
-    DYNAMIC_LOOPS: tl.constexpr, WRITE_ROWS: tl.constexpr,
+    K_HOT, M_BUCKET, cap, long_count_ptr, long_list_ptr, long_slot_ptr, HOT: tl.constexpr, ROWS: tl.constexpr,
+    W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr, WRITE_ROWS: tl.constexpr, LONG_ROW: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
     word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
     max-popcount-per-word times (a few at 0.5% density, 32 on a dense row: slower, still exact);
     h is read as a 2-byte gather per positive. Slots at or past the row's end or `cap` (the entry
-    arrays' size) are not written. M_BUCKET only keys autotuning."""
+    arrays' size) are not written. M_BUCKET only keys autotuning. Rows with more than LONG_ROW entries
+    by row_ptr are appended to the long-row list for the row kernels."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
     cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(cold)
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
-    end = tl.minimum(tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0), cap)
+    row_end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)
+    list_long_rows(rows, ok, start, row_end, long_count_ptr, long_list_ptr, long_slot_ptr, LONG_ROW)
+    end = tl.minimum(row_end, cap)
     slot = start[:, None] + tl.cumsum(pc, axis=1) - pc  # the row's positives in earlier words
     h_rows = h_ptr + rows[:, None].to(tl.int64) * F
     col0 = tl.arange(0, W_PAD)[None, :] * 32
@@ -183,7 +190,8 @@ def build_pattern(
     device = h.device
     row_active = torch.empty(M, device=device, dtype=torch.int32)
     row_ptr = torch.empty(M + 1, device=device, dtype=torch.int32)
-    totals = torch.zeros(2, device=device, dtype=torch.int32)
+    totals, long_count = torch.zeros(3, device=device, dtype=torch.int32).split((2, 1))  # one memset
+    long = empty_long_rows(M, device, long_count)
     hot_pos, hot_bits, g_hot = hot if hot is not None else (bits, bits, h)  # placeholders when not HOT
     w_pad = next_pow2(W)
     if M:
@@ -216,9 +224,10 @@ def build_pattern(
     if M and (nnz or hot is not None):
         args = (
             h, bits, hot_bits, hot_pos, g_hot, row_ptr, rows, cols, gate, M, F,
-            g_hot.shape[1] if hot is not None else 1, min(next_pow2(M), 1 << 17), nnz,
+            g_hot.shape[1] if hot is not None else 1, min(next_pow2(M), 1 << 17), nnz, long.count, long.rows,
+            long.slots,
         )  # fmt: skip
-        flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference)
+        flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference, LONG_ROW=long.limit)
         if interpreting():
             _compact_csr_kernel[(triton.cdiv(M, 16),)](
                 *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
@@ -227,7 +236,7 @@ def build_pattern(
             _tuned_compact_csr[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
                 *args, **flags, DYNAMIC_LOOPS=True
             )
-    return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending)
+    return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)
 
 
 @triton.jit

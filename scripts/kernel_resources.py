@@ -57,20 +57,24 @@ def row_kernel_cases(D: int, F: int) -> dict:
         **ptr("*bf16", ["gate_ptr", "x_ptr", "wu_ptr", "wd_ptr", "y_ptr", "init_ptr", "h_ptr"]),
         **ptr("*fp32", ["up_ptr", "l1_ptr", "l1_init_ptr"]),
         "cap": "i32",
+        **ptr("*i32", ["long_hdr_ptr", "long_list_ptr", "long_slot_ptr"]),
+        "n_long_progs": "i32",
     }
     block_d = triton.next_power_of_2(D)
-    common = dict(D=D, BLOCK_D=block_d, WHILE_LOOP=False, F=F)
+    common = dict(D=D, BLOCK_D=block_d, WHILE_LOOP=False, F=F, LONG_ROW=rf.LONG_ROW)
     train = dict(HAS_L1_INIT=True, HAS_INIT=True, STORE_UP=True, STORE_L1=True, PAST_CAP=False, HOT=False)
     infer = dict(HAS_L1_INIT=False, HAS_INIT=False, STORE_UP=False, STORE_L1=False, PAST_CAP=True, HOT=True)
     dx_sig = {
         **ptr("*i32", ["row_ptr_ptr", "cols_ptr"]),
         **ptr("*fp32", ["dg_ptr", "du_ptr"]),
         **ptr("*bf16", ["wg_ptr", "wu_ptr", "dx_ptr"]),
+        **ptr("*i32", ["long_hdr_ptr", "long_list_ptr", "long_slot_ptr"]),
+        "n_long_progs": "i32",
     }
     return {
         "forward (train)": (rf._row_fwd_kernel, fwd_sig, dict(common, **train)),
         "forward (inference)": (rf._row_fwd_kernel, fwd_sig, dict(common, **infer)),
-        "dx": (rf._row_dx_kernel, dx_sig, dict(D=D, BLOCK_D=block_d, WHILE_LOOP=False)),
+        "dx": (rf._row_dx_kernel, dx_sig, dict(D=D, BLOCK_D=block_d, WHILE_LOOP=False, LONG_ROW=rf.LONG_ROW)),
     }
 
 

@@ -347,6 +347,17 @@ def test_build_pattern_matches_a_torch_build_over_many_programs(hot):
     assert torch.equal(pat.gate.cpu(), gate)
     if hot:
         assert torch.equal(split[2].cpu(), g_hot_ref)
+    _assert_long_rows(pat)
+
+
+def _assert_long_rows(pat):
+    """The compaction's list of long rows (served first by the row kernels) holds exactly the rows with
+    more than its limit of entries by the pattern's row_ptr, each with its slot."""
+    lengths = pat.row_ptr[1:].cpu() - pat.row_ptr[:-1].cpu()
+    n = int(pat.long.count[0])
+    listed = pat.long.rows[:n].cpu().tolist()
+    assert sorted(listed) == (lengths > pat.long.limit).nonzero().flatten().tolist()
+    assert [int(pat.long.slots[r]) for r in listed] == list(range(n))
 
 
 def test_pack_positive_bits_sets_bit_31():
@@ -694,6 +705,8 @@ def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the
     part = build_pattern(*args, capacity=cap)
     assert part.pending.read() == nnz and part.rows.numel() == cap
     assert torch.equal(part.row_ptr.cpu(), exact.row_ptr.cpu().clamp(max=cap))
+    _assert_long_rows(exact)
+    _assert_long_rows(part)  # by the clamped row_ptr, as the row kernels read it
     fits = int((exact.row_ptr[1:] <= cap).sum())  # rows wholly below the capacity are exact
     end = int(exact.row_ptr[fits])
     for name in ("rows", "cols", "gate"):

@@ -42,16 +42,18 @@ class LongRows(NamedTuple):
 
 
 @triton.jit
-def list_long_rows(rows, ok, start, end, count_ptr, list_ptr, slot_ptr, LONG_ROW: tl.constexpr):
-    """Append the rows of a [ROWS] block with end - start > LONG_ROW to the list (one atomic per block
-    that has any). end is the row's row_ptr[row + 1] as the row kernels read it."""
+def list_long_rows(rows, ok, start, end, count_ptr, list_ptr, slot_ptr, M, LONG_ROW: tl.constexpr):
+    """Append the rows of a [ROWS] block with end - start > LONG_ROW to the list of M slots (one atomic
+    per block that has any; the count must start at 0: autotuned callers reset it between timed runs).
+    end is the row's row_ptr[row + 1] as the row kernels read it."""
     is_long = ok & (end - start > LONG_ROW)
     li = is_long.to(tl.int32)
     k = tl.sum(li, axis=0)
     if k > 0:
         slot = tl.atomic_add(count_ptr, k) + tl.cumsum(li, axis=0) - li
-        tl.store(list_ptr + slot, rows, mask=is_long)
-        tl.store(slot_ptr + rows, slot, mask=is_long)
+        keep = is_long & (slot < M)  # always, from a zero count; never a write past the list
+        tl.store(list_ptr + slot, rows, mask=keep)
+        tl.store(slot_ptr + rows, slot, mask=keep)
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _long_rows_kernel(
     ok = rows < M
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
     end = tl.load(row_ptr_ptr + rows + 1, mask=ok, other=0)
-    list_long_rows(rows, ok, start, end, count_ptr, list_ptr, slot_ptr, LONG_ROW)
+    list_long_rows(rows, ok, start, end, count_ptr, list_ptr, slot_ptr, M, LONG_ROW)
 
 
 def empty_long_rows(M: int, device, count: torch.Tensor | None = None) -> LongRows:

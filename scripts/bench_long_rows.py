@@ -2,11 +2,13 @@
 
     python scripts/bench_long_rows.py                                  # inference 4096 16384 131072, train 16384
     python scripts/bench_long_rows.py --tokens 16384 --prefix 512 --train-tokens --out long_rows.json
+    python scripts/bench_long_rows.py --limits 32 64 128             # the threshold (LONG_ROW) swept
 
 The row kernels walk each token row's sparse entries serially; a row with many entries (paper-like
 inputs: 0.2% dense rows with ~300 cold entries where the mean is ~12) launched late can decide when the
 kernel ends. With long-row programs ('on', the default) such rows start first; 'off' walks every row in
-row order (kernels.train_rowfwd.set_long_rows(False)). Per shape and setting, on paper-like inputs
+row order (kernels.train_rowfwd.set_long_rows(False)); --limits sets the threshold of 'on'
+(kernels.train_rowfwd.LONG_ROW, rows with more entries are long). Per shape and setting, on paper-like inputs
 (d_model 2048, d_ff 5632):
 
 * inference (twell_ffn_inference, csr schedule, hot prefix P; units stored most-firing first on 4096
@@ -44,7 +46,7 @@ from scripts.bench_ffn import (  # noqa: E402
 )
 from scripts.bench_train import _step, _twell_y_l1, graphed_step, prepare_step  # noqa: E402
 
-SETTINGS = ("off", "on")
+SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
 
 
 def _kernel_us(fn, name: str) -> float:
@@ -131,6 +133,9 @@ def main(argv=None) -> None:
     p.add_argument("--train-tokens", type=int, nargs="*", default=[16384])
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--d-ff", type=int, default=5632)
+    p.add_argument(
+        "--limits", type=int, nargs="*", default=[train_rowfwd.LONG_ROW], help="long-row thresholds for 'on'"
+    )
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")
     p.add_argument("--out", default="bench_long_rows.json")
     args = p.parse_args(argv)
@@ -140,16 +145,22 @@ def main(argv=None) -> None:
     print(
         f"{'mode':<9} {'tokens':>7} {'P':>4} {'long':>5} {'off ms':>8} {'on ms':>8} {'off us':>8} {'on us':>8}"
     )
-    rows = []
-    for M in args.tokens:
-        for P in args.prefix:
-            rows.append(bench_inference(M, P, args.d_model, args.d_ff, args.rep))
-            print_row(rows[-1])
-            torch.cuda.empty_cache()
-    for M in args.train_tokens:
-        rows.append(bench_train(M, args.d_model, args.d_ff, args.rep))
-        print_row(rows[-1])
-        torch.cuda.empty_cache()
+    rows, default = [], train_rowfwd.LONG_ROW
+    for limit in args.limits:
+        train_rowfwd.LONG_ROW = limit
+        print(f"LONG_ROW {limit}")
+        try:
+            for M in args.tokens:
+                for P in args.prefix:
+                    rows.append(dict(bench_inference(M, P, args.d_model, args.d_ff, args.rep), limit=limit))
+                    print_row(rows[-1])
+                    torch.cuda.empty_cache()
+            for M in args.train_tokens:
+                rows.append(dict(bench_train(M, args.d_model, args.d_ff, args.rep), limit=limit))
+                print_row(rows[-1])
+                torch.cuda.empty_cache()
+        finally:
+            train_rowfwd.LONG_ROW = default
     write_results(args.out, rows)
 
 

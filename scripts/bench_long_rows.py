@@ -14,7 +14,8 @@ row order (kernels.train_rowfwd.set_long_rows(False)); --limits sets the thresho
 * inference (twell_ffn_inference, csr schedule, hot prefix P; units stored most-firing first on 4096
   untimed calibration rows as bench_ffn.py --hot-prefix does): the FFN replayed from a CUDA graph, the
   row kernel's GPU time in one profiled call, and dense cuBLAS on the same inputs;
-* training (twell_ffn forward + backward with its L1 term, default hot units): the step in one CUDA
+* training (twell_ffn forward + backward with its L1 term, default hot units; 'long' counts rows past
+  the threshold without the batch's hot units, as the op's CSR holds them): the step in one CUDA
   graph (bench_train.py's graphed_step), and the forward row kernel and the dx kernel in one profiled
   eager step.
 
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import train_rowfwd, twell_ffn_inference  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
+from kernels.train import hot_units_for  # noqa: E402
 from scripts.bench_ffn import (  # noqa: E402
     CALIBRATION_ROWS,
     calibrated_order,
@@ -54,10 +56,15 @@ def _kernel_us(fn, name: str) -> float:
     return sum(k["us"] for k in kernels if name in k["kernel"])
 
 
-def _long_count(x, w_gate, P: int) -> int:
-    """Rows whose cold positives (units P and up) exceed the long-row threshold."""
-    cold = ((x @ w_gate.T) > 0)[:, P:].sum(1)
-    return int((cold > train_rowfwd.LONG_ROW).sum())
+def _long_count(x, w_gate, P: int = 0, hot: int = 0) -> int:
+    """Rows whose cold positives exceed the long-row threshold: units P and up, less the batch's `hot`
+    most-firing units (the training op's hot units)."""
+    pos = (x @ w_gate.T) > 0
+    cold = pos[:, P:]
+    if hot:
+        cold = cold.clone()
+        cold[:, pos.sum(0).topk(min(hot, pos.shape[1])).indices] = False
+    return int((cold.sum(1) > train_rowfwd.LONG_ROW).sum())
 
 
 def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
@@ -86,9 +93,9 @@ def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
 
 def bench_train(M: int, D: int, F: int, rep: int) -> dict:
     inputs = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
-    row = dict(
-        mode="train", tokens=M, d_model=D, d_ff=F, prefix=0, long_rows=_long_count(inputs[0], inputs[1], 0)
-    )
+    hot = hot_units_for(M, F)
+    row = dict(mode="train", tokens=M, d_model=D, d_ff=F, prefix=0, hot_units=hot)
+    row["long_rows"] = _long_count(inputs[0], inputs[1], hot=hot)
     leaves, grad_y, ref = prepare_step(inputs)
     got = {}
     for setting in SETTINGS:

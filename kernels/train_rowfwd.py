@@ -224,15 +224,15 @@ def _fwd_row(row, start, row_end, cap, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr
 
 @triton.jit
 def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
-                    l1_ptr, l1_init_ptr, h_ptr, hot_pos_ptr, cap, long_hdr_ptr, long_list_ptr, long_slot_ptr,
+                    l1_ptr, l1_init_ptr, h_ptr, hot_pos_ptr, cap, long_count_ptr, long_list_ptr, long_slot_ptr,
                     n_long_progs,
                     HAS_L1_INIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     WHILE_LOOP: tl.constexpr, HAS_INIT: tl.constexpr, STORE_UP: tl.constexpr,
                     STORE_L1: tl.constexpr, PAST_CAP: tl.constexpr, F: tl.constexpr, HOT: tl.constexpr,
                     LONG_ROW: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """Grid n_long_progs + M: the first programs serve the long-row queue, program n_long_progs + r row r
-    unless r is listed (module doc)."""
-    row, start, row_end, mine = _which_row(row_ptr_ptr, long_hdr_ptr, long_list_ptr, long_slot_ptr, n_long_progs,
+    """Grid n_long_progs + M: the first programs take one listed long row each, program n_long_progs + r
+    row r unless a long program has it (module doc)."""
+    row, start, row_end, mine = _which_row(row_ptr_ptr, long_count_ptr, long_list_ptr, long_slot_ptr, n_long_progs,
                                            LONG_ROW)  # fmt: skip
     if mine:
         _fwd_row(
@@ -245,12 +245,14 @@ def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_p
 _launch = _tuned(_configs(), key=["D", "STORE_UP"])(_row_fwd_kernel)
 
 
-def _long(row_ptr: torch.Tensor, given: LongRows | None) -> tuple[LongRows, int, int]:
-    """(the long rows, programs serving them, the threshold the row kernels apply)."""
+def _long(row_ptr: torch.Tensor, given: LongRows | None) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """The row kernels' long-row arguments: (count, rows, slots), programs serving them, the threshold.
+    Off (set_long_rows(False)): no long programs and no row over the threshold, so the three are never
+    read (row_ptr stands in for them)."""
     if not _serve_long_rows[0]:
-        return given if given is not None else empty_long_rows(0, row_ptr.device), 0, _NEVER_LONG
+        return (row_ptr, row_ptr, row_ptr), 0, _NEVER_LONG
     long = given if given is not None else long_rows(row_ptr)
-    return long, long_programs(row_ptr.device), long.limit
+    return (long.count, long.rows, long.slots), long_programs(row_ptr.device), long.limit
 
 
 def row_ffn_forward(
@@ -270,10 +272,10 @@ def row_ffn_forward(
         return up, y, l1
     y = torch.empty_like(x)
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
-    long, n_long, threshold = _long(row_ptr, long)
+    long_args, n_long, threshold = _long(row_ptr, long)
     _launch[(n_long + M,)](
         row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
-        l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), long.count, long.rows, long.slots, n_long,
+        l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), *long_args, n_long,
         HAS_L1_INIT=l1_init is not None, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(),
         HAS_INIT=init is not None, STORE_UP=True, STORE_L1=True, PAST_CAP=False, F=1, HOT=False,
         LONG_ROW=threshold,
@@ -295,10 +297,10 @@ def row_ffn_inference(
     y = torch.empty_like(x)
     if M == 0:
         return y
-    long, n_long, threshold = _long(row_ptr, long)
+    long_args, n_long, threshold = _long(row_ptr, long)
     _launch[(n_long + M,)](
         row_ptr, cols, gate, x, w_up, w_down, y, y, init if init is not None else y, y, y, h,
-        hot_pos if hot_pos is not None else row_ptr, cols.numel(), long.count, long.rows, long.slots, n_long,
+        hot_pos if hot_pos is not None else row_ptr, cols.numel(), *long_args, n_long,
         HAS_L1_INIT=False, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
         STORE_UP=False, STORE_L1=False, PAST_CAP=True, F=h.shape[1], HOT=hot_pos is not None,
         LONG_ROW=threshold,
@@ -324,13 +326,13 @@ def _dx_row(row, start, end, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, D
 
 
 @triton.jit
-def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, long_hdr_ptr, long_list_ptr,
+def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, long_count_ptr, long_list_ptr,
                    long_slot_ptr, n_long_progs, D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr,
                    LONG_ROW: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """dx[row] = sum over the row's entries of d_gate * w_gate[unit] + d_up * w_up[unit]: whole weight
-    rows per step, the forward's schedule (one program per row, no D slices re-reading the entries; the
-    long rows from the queue, as in _row_fwd_kernel)."""
-    row, start, end, mine = _which_row(row_ptr_ptr, long_hdr_ptr, long_list_ptr, long_slot_ptr, n_long_progs,
+    rows per step, the forward's schedule (one program per row, no D slices re-reading the entries; long
+    rows to the grid's first programs, as in _row_fwd_kernel)."""
+    row, start, end, mine = _which_row(row_ptr_ptr, long_count_ptr, long_list_ptr, long_slot_ptr, n_long_progs,
                                        LONG_ROW)  # fmt: skip
     if mine:
         _dx_row(
@@ -366,8 +368,8 @@ def row_dx(
     M, D = dx.shape
     if M == 0:
         return
-    long, n_long, threshold = _long(row_ptr, long)
+    long_args, n_long, threshold = _long(row_ptr, long)
     _launch_dx[(n_long + M,)](
-        row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, long.count, long.rows, long.slots, n_long, D=D,
+        row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, *long_args, n_long, D=D,
         BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), LONG_ROW=threshold,
     )  # fmt: skip

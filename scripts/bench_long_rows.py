@@ -51,8 +51,8 @@ from scripts.bench_train import _step, _twell_y_l1, graphed_step, prepare_step  
 SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
 
 
-def _kernel_us(fn, name: str) -> float:
-    kernels, _ = kernel_times(fn)
+def _kernel_us(kernels: list[dict], name: str) -> float:
+    """GPU us of the kernels in a kernel_times() list whose name contains `name`."""
     return sum(k["us"] for k in kernels if name in k["kernel"])
 
 
@@ -83,7 +83,7 @@ def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
                 ys[setting] = call()
                 row[f"{setting}_err"] = float(row_errors(ys[setting], x, w_gate, w_up, w_down).max())
                 row[f"{setting}_ms"] = timed(call, True, rep)
-                row[f"{setting}_row_kernel_us"] = _kernel_us(call, "_row_fwd_kernel")
+                row[f"{setting}_row_kernel_us"] = _kernel_us(kernel_times(call)[0], "_row_fwd_kernel")
             finally:
                 train_rowfwd.set_long_rows(True)
     row["same"] = bool(torch.equal(ys["on"], ys["off"]))
@@ -108,10 +108,8 @@ def bench_train(M: int, D: int, F: int, rep: int) -> dict:
             row[f"{setting}_err"] = max(v for k, v in g.items() if k.startswith("graph_err_"))
             row[f"{setting}_misses"] = g["graph_misses"]
             kernels, _ = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
-            row[f"{setting}_row_kernel_us"] = sum(
-                k["us"] for k in kernels if "_row_fwd_kernel" in k["kernel"]
-            )
-            row[f"{setting}_dx_kernel_us"] = sum(k["us"] for k in kernels if "_row_dx_kernel" in k["kernel"])
+            row[f"{setting}_row_kernel_us"] = _kernel_us(kernels, "_row_fwd_kernel")
+            row[f"{setting}_dx_kernel_us"] = _kernel_us(kernels, "_row_dx_kernel")
         finally:
             train_rowfwd.set_long_rows(True)
     row["same"] = all(torch.equal(a, b) for a, b in zip(got["on"], got["off"]))

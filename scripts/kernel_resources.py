@@ -57,7 +57,7 @@ def row_kernel_cases(D: int, F: int) -> dict:
         **ptr("*bf16", ["gate_ptr", "x_ptr", "wu_ptr", "wd_ptr", "y_ptr", "init_ptr", "h_ptr"]),
         **ptr("*fp32", ["up_ptr", "l1_ptr", "l1_init_ptr"]),
         "cap": "i32",
-        **ptr("*i32", ["long_hdr_ptr", "long_list_ptr", "long_slot_ptr"]),
+        **ptr("*i32", ["long_count_ptr", "long_list_ptr", "long_slot_ptr"]),
         "n_long_progs": "i32",
     }
     block_d = triton.next_power_of_2(D)
@@ -68,7 +68,7 @@ def row_kernel_cases(D: int, F: int) -> dict:
         **ptr("*i32", ["row_ptr_ptr", "cols_ptr"]),
         **ptr("*fp32", ["dg_ptr", "du_ptr"]),
         **ptr("*bf16", ["wg_ptr", "wu_ptr", "dx_ptr"]),
-        **ptr("*i32", ["long_hdr_ptr", "long_list_ptr", "long_slot_ptr"]),
+        **ptr("*i32", ["long_count_ptr", "long_list_ptr", "long_slot_ptr"]),
         "n_long_progs": "i32",
     }
     return {

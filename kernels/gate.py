@@ -468,7 +468,7 @@ def _compact_bits_kernel(
         for it in range(0, 32):
             bits = _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS)
     if HOT:
-        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS, 1)
+        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
 
 
 @triton.jit
@@ -485,39 +485,28 @@ def _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS
 
 
 @triton.jit
-def _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS: tl.constexpr,
-                 UNROLL: tl.constexpr):  # fmt: skip
-    """Copy every hot positive (set bits of the words `hot`) from h to its g_hot column, UNROLL (1 or 2)
-    per word and iteration (DYNAMIC_LOOPS: as many iterations as the fullest word needs; else 32)."""
+def _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS: tl.constexpr):
+    """Copy every hot positive (set bits of the words `hot`) from h to its g_hot column, one per word
+    and iteration (DYNAMIC_LOOPS: as many iterations as the fullest word needs; else 32)."""
     g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
     if DYNAMIC_LOOPS:
-        for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0), UNROLL):
-            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows, UNROLL)
+        for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0)):
+            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
     else:  # interpreter: constexpr trip count
-        for _ in range(0, 32, UNROLL):
-            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows, UNROLL)
+        for _ in range(0, 32):
+            hot = _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows)
 
 
 @triton.jit
-def _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows, UNROLL: tl.constexpr):
-    """Copy the lowest hot positive of every word (UNROLL 2: the two lowest, loads before stores) to
-    its g_hot column; returns the words without them."""
+def _emit_lowest_hot(hot, col0, h_rows, hot_pos_ptr, g_rows):
+    """Copy the lowest hot positive of every word to its g_hot column; returns the words without it."""
     lsb = hot ^ (hot & (hot - 1))
     col = col0 + _popc32(lsb - 1)
     keep = hot != 0
     v = tl.load(h_rows + col, mask=keep, other=0.0)
     hp = tl.load(hot_pos_ptr + col, mask=keep, other=0)
-    hot = hot ^ lsb
-    if UNROLL == 2:
-        lsb2 = hot ^ (hot & (hot - 1))
-        col2 = col0 + _popc32(lsb2 - 1)
-        keep2 = hot != 0
-        v2 = tl.load(h_rows + col2, mask=keep2, other=0.0)
-        hp2 = tl.load(hot_pos_ptr + col2, mask=keep2, other=0)
-        tl.store(g_rows + hp2, v2.to(g_rows.dtype.element_ty), mask=keep2)
-        hot = hot ^ lsb2
     tl.store(g_rows + hp, v.to(g_rows.dtype.element_ty), mask=keep)
-    return hot
+    return hot ^ lsb
 
 
 def _compact_bits_configs() -> list[triton.Config]:

@@ -97,7 +97,6 @@ def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
     K_HOT, M_BUCKET, cap, long_count_ptr, long_list_ptr, long_slot_ptr, HOT: tl.constexpr, ROWS: tl.constexpr,
     W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr, WRITE_ROWS: tl.constexpr, LONG_ROW: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
     word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
@@ -119,84 +118,43 @@ def _compact_csr_kernel(
     col0 = tl.arange(0, W_PAD)[None, :] * 32
     row_ids = tl.zeros([ROWS, W_PAD], dtype=tl.int32) + rows[:, None]
     if DYNAMIC_LOOPS:
-        for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0), UNROLL):
+        for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
             cold, slot = _emit_entries(
-                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS, UNROLL
+                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
             )
     else:  # interpreter: constexpr trip count
-        for _ in range(0, 32, UNROLL):
+        for _ in range(0, 32):
             cold, slot = _emit_entries(
-                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS, UNROLL
+                cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
             )
     if HOT:  # hot positives to their g_hot column (g_hot zero-filled by the caller)
-        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS, UNROLL)
+        _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
 
 
 @triton.jit
 def _emit_entries(
-    cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS: tl.constexpr,
-    UNROLL: tl.constexpr,
-):  # fmt: skip
-    """Write the lowest positive of every word as entry `slot` (if before the row's end), and with
-    UNROLL 2 the next-lowest as entry slot + 1; returns the words without them and the next slots.
-    Both gathers of h are issued before any store, so two round trips overlap per iteration."""
+    cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS: tl.constexpr
+):
+    """Write the lowest positive of every word as entry `slot` (if before the row's end); returns the
+    words without it and the next slots."""
     lsb = cold ^ (cold & (cold - 1))
     col = col0 + _popc32(lsb - 1)
     keep = (cold != 0) & (slot < end[:, None])
     v = tl.load(h_rows + col, mask=keep, other=0.0)
-    if UNROLL == 2:
-        cold = cold ^ lsb
-        lsb2 = cold ^ (cold & (cold - 1))
-        col2 = col0 + _popc32(lsb2 - 1)
-        keep2 = (cold != 0) & (slot + 1 < end[:, None])
-        v2 = tl.load(h_rows + col2, mask=keep2, other=0.0)
-        tl.store(cols_ptr + slot + 1, col2, mask=keep2)
-        tl.store(vals_ptr + slot + 1, v2, mask=keep2)
-        if WRITE_ROWS:
-            tl.store(rows_ptr + slot + 1, row_ids, mask=keep2)
-        lsb = lsb2
     tl.store(cols_ptr + slot, col, mask=keep)
     tl.store(vals_ptr + slot, v, mask=keep)
     if WRITE_ROWS:
         tl.store(rows_ptr + slot, row_ids, mask=keep)
-    return cold ^ lsb, slot + UNROLL
+    return cold ^ lsb, slot + 1
 
 
 # ROWS x W_PAD (256 at d_ff 5632) words per program; the work per word is ~15 ops per iteration. The
 # configs of the TwELL compaction this replaced (kernels/gate.py, _compact_bits_kernel).
-# UNROLL 2 takes two positives per word and iteration, so two gathers of h are in flight per word
-# instead of one (the loop is bound by those round trips, not by bytes).
-def _compact_csr_tuner(unrolls):
-    return triton.autotune(
-        configs=[
-            triton.Config({"ROWS": r, "UNROLL": u}, num_warps=w)
-            for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))
-            for u in unrolls
-        ],
-        key=["M_BUCKET", "F", "HOT"],
-        reset_to_zero=["long_count_ptr"],  # each timed run appends the long rows again
-    )(_compact_csr_kernel)
-
-
-# None: autotuned over both; 1 or 2 pinned (set_compact_unroll, for A/B runs).
-_tuned_compact_csr = {
-    None: _compact_csr_tuner((1, 2)),
-    1: _compact_csr_tuner((1,)),
-    2: _compact_csr_tuner((2,)),
-}
-_compact = {"unroll": None}
-
-
-def set_compact_unroll(unroll: int | None) -> None:
-    """Benchmark switch: positives per word and iteration of the CSR compaction on a GPU, 1 or 2 (None:
-    autotuned over both)."""
-    if unroll not in (None, 1, 2):
-        raise ValueError(f"compaction unroll={unroll!r} must be 1, 2 or None (autotuned)")
-    _compact["unroll"] = unroll
-
-
-# The interpreter's unroll of the compaction loop (the GPU autotunes 1 or 2); tests set both.
-_interp_unroll = {"unroll": 2}
+_tuned_compact_csr = triton.autotune(
+    configs=[triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))],
+    key=["M_BUCKET", "F", "HOT"],
+    reset_to_zero=["long_count_ptr"],  # each timed run appends the long rows again
+)(_compact_csr_kernel)
 
 
 def hot_split(fires: torch.Tensor, K: int, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -273,10 +231,10 @@ def build_pattern(
         flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference, LONG_ROW=long.limit)
         if interpreting():
             _compact_csr_kernel[(triton.cdiv(M, 16),)](
-                *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, UNROLL=_interp_unroll["unroll"], num_warps=4
+                *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
             )
         else:
-            _tuned_compact_csr[_compact["unroll"]][lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
+            _tuned_compact_csr[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
                 *args, **flags, DYNAMIC_LOOPS=True
             )
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)

@@ -3,15 +3,12 @@
     python scripts/bench_long_rows.py                                  # inference 4096 16384 131072, train 16384
     python scripts/bench_long_rows.py --tokens 16384 --prefix 512 --train-tokens --out long_rows.json
     python scripts/bench_long_rows.py --limits 32 64 128             # the threshold (LONG_ROW) swept
-    python scripts/bench_long_rows.py --switch compact_unroll         # the CSR compaction's unroll, 1 / 2
 
 The row kernels walk each token row's sparse entries serially; a row with many entries (paper-like
 inputs: 0.2% dense rows with ~300 cold entries where the mean is ~12) launched late can decide when the
 kernel ends. With long-row programs ('on', the default) such rows start first; 'off' walks every row in
 row order (kernels.train_rowfwd.set_long_rows(False)); --limits sets the threshold of 'on'
-(kernels.train_rowfwd.LONG_ROW, rows with more entries are long). `--switch compact_unroll` compares the
-CSR compaction emitting one (u1) or two (u2) positives per bitmask word and iteration instead
-(kernels.train_format.set_compact_unroll) and reports its kernel time. Per shape and setting, on paper-like inputs
+(kernels.train_rowfwd.LONG_ROW, rows with more entries are long). Per shape and setting, on paper-like inputs
 (d_model 2048, d_ff 5632):
 
 * inference (twell_ffn_inference, csr schedule, hot prefix P; units stored most-firing first on 4096
@@ -33,14 +30,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import train_format, train_rowfwd, twell_ffn_inference  # noqa: E402
+from kernels import train_rowfwd, twell_ffn_inference  # noqa: E402
 from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 from kernels.train import hot_units_for  # noqa: E402
@@ -64,36 +59,6 @@ from scripts.bench_train import (  # noqa: E402
 SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
 
 
-class AB(NamedTuple):
-    """One library switch to compare: its two settings, how to apply one and restore the default, and
-    the kernels whose GPU time each row reports (row key -> kernel name, inference and training)."""
-
-    settings: tuple[str, str]
-    apply: Callable[[str], None]
-    reset: Callable[[], None]
-    inference_kernels: dict[str, str]
-    train_kernels: dict[str, str]
-
-
-LONG_ROWS = AB(
-    SETTINGS,
-    lambda setting: train_rowfwd.set_long_rows(setting == "on"),
-    lambda: train_rowfwd.set_long_rows(True),
-    {"row_kernel": "_row_fwd_kernel"},
-    {"row_kernel": "_row_fwd_kernel", "dx_kernel": "_row_dx_kernel"},
-)
-# The CSR compaction taking one or two positives per bitmask word and iteration (both autotuned by
-# default; kernels.train_format.set_compact_unroll pins one).
-COMPACT_UNROLL = AB(
-    ("u1", "u2"),
-    lambda setting: train_format.set_compact_unroll(int(setting[1:])),
-    lambda: train_format.set_compact_unroll(None),
-    {"compact": "_compact_csr_kernel"},
-    {"compact": "_compact_csr_kernel"},
-)
-SWITCHES = {"long_rows": LONG_ROWS, "compact_unroll": COMPACT_UNROLL}
-
-
 def _kernel_us(kernels: list[dict], name: str) -> float:
     """GPU us of the kernels in a kernel_times() list whose name contains `name`."""
     return sum(k["us"] for k in kernels if name in k["kernel"])
@@ -110,7 +75,7 @@ def _long_count(x, w_gate, P: int = 0, hot: int = 0) -> int:
     return int((cold.sum(1) > train_rowfwd.LONG_ROW).sum())
 
 
-def bench_inference(M: int, P: int, D: int, F: int, rep: int, ab: AB = LONG_ROWS) -> dict:
+def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
     x, w_gate, w_up, w_down = paper_like_ffn_inputs(M + CALIBRATION_ROWS, D, F, device="cuda", seed=M + F)
     x, cal = x[:M].contiguous(), x[M:]
     order = calibrated_order(cal, w_gate)
@@ -120,23 +85,21 @@ def bench_inference(M: int, P: int, D: int, F: int, rep: int, ab: AB = LONG_ROWS
     ys = {}
     with torch.no_grad():
         row["dense_ms"] = timed(lambda: dense_ffn(x, w_gate, w_up, w_down), True, rep)
-        for setting in ab.settings:
-            ab.apply(setting)
+        for setting in SETTINGS:
+            train_rowfwd.set_long_rows(setting == "on")
             try:
                 ys[setting] = call()
                 row[f"{setting}_err"] = float(row_errors(ys[setting], x, w_gate, w_up, w_down).max())
                 row[f"{setting}_ms"] = timed(call, True, rep)
-                kernels = kernel_times(call)[0]
-                for key, name in ab.inference_kernels.items():
-                    row[f"{setting}_{key}_us"] = _kernel_us(kernels, name)
+                row[f"{setting}_row_kernel_us"] = _kernel_us(kernel_times(call)[0], "_row_fwd_kernel")
             finally:
-                ab.reset()
-    row["same"] = bool(torch.equal(*(ys[s] for s in ab.settings)))
-    row["ok"] = row["same"] and all(row[f"{s}_err"] < 1e-2 for s in ab.settings)
+                train_rowfwd.set_long_rows(True)
+    row["same"] = bool(torch.equal(ys["on"], ys["off"]))
+    row["ok"] = row["same"] and all(row[f"{s}_err"] < 1e-2 for s in SETTINGS)
     return row
 
 
-def bench_train(M: int, D: int, F: int, rep: int, ab: AB = LONG_ROWS) -> dict:
+def bench_train(M: int, D: int, F: int, rep: int) -> dict:
     inputs = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
     hot = hot_units_for(M, F)
     row = dict(mode="train", tokens=M, d_model=D, d_ff=F, prefix=0, hot_units=hot)
@@ -145,8 +108,8 @@ def bench_train(M: int, D: int, F: int, rep: int, ab: AB = LONG_ROWS) -> dict:
     # bench_train.py's bar: each error within 3x the dense bf16 step's own (its rounding level) or 1e-2
     dense = _errors(dense_ffn_l1, leaves, grad_y, ref)
     got = {}
-    for setting in ab.settings:
-        ab.apply(setting)
+    for setting in SETTINGS:
+        train_rowfwd.set_long_rows(setting == "on")
         try:
             y = _step(_twell_y_l1, leaves, grad_y).detach().clone()
             got[setting] = (y, leaves[0].grad.clone())
@@ -157,27 +120,25 @@ def bench_train(M: int, D: int, F: int, rep: int, ab: AB = LONG_ROWS) -> dict:
             row[f"{setting}_within"] = all(v <= max(3 * dense[k], 1e-2) for k, v in errs.items())
             row[f"{setting}_misses"] = g["graph_misses"]
             kernels, _ = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
-            for key, name in ab.train_kernels.items():
-                row[f"{setting}_{key}_us"] = _kernel_us(kernels, name)
+            row[f"{setting}_row_kernel_us"] = _kernel_us(kernels, "_row_fwd_kernel")
+            row[f"{setting}_dx_kernel_us"] = _kernel_us(kernels, "_row_dx_kernel")
         finally:
-            ab.reset()
-    row["same"] = all(torch.equal(a, b) for a, b in zip(*(got[s] for s in ab.settings)))
+            train_rowfwd.set_long_rows(True)
+    row["same"] = all(torch.equal(a, b) for a, b in zip(got["on"], got["off"]))
     row["dense_errs"] = dense
-    row["ok"] = row["same"] and all(row[f"{s}_within"] and not row[f"{s}_misses"] for s in ab.settings)
+    row["ok"] = row["same"] and all(row[f"{s}_within"] and not row[f"{s}_misses"] for s in SETTINGS)
     return row
 
 
-def print_row(r: dict, ab: AB = LONG_ROWS) -> None:
-    a, b = ab.settings
-    keys = ab.train_kernels if r["mode"] == "train" else ab.inference_kernels
-    kern = "  ".join(
-        f"{key.removesuffix('_kernel')} {r[f'{a}_{key}_us']:7.1f} {r[f'{b}_{key}_us']:7.1f}" for key in keys
-    )
-    base = ""
-    if r["mode"] != "train":
-        base = f"  dense {r['dense_ms']:7.3f} -> x{r['dense_ms'] / r[f'{a}_ms']:.2f} / x{r['dense_ms'] / r[f'{b}_ms']:.2f}"
+def print_row(r: dict) -> None:
+    kern = f"{r['off_row_kernel_us']:8.1f} {r['on_row_kernel_us']:8.1f}"
+    if r["mode"] == "train":
+        kern += f"  dx {r['off_dx_kernel_us']:7.1f} {r['on_dx_kernel_us']:7.1f}"
+        base = ""
+    else:
+        base = f"  dense {r['dense_ms']:7.3f} -> x{r['dense_ms'] / r['off_ms']:.2f} / x{r['dense_ms'] / r['on_ms']:.2f}"
     print(
-        f"{r['mode']:<9} {r['tokens']:>7} {r['prefix']:>4} {r['long_rows']:>5} {r[f'{a}_ms']:8.3f} {r[f'{b}_ms']:8.3f}  "
+        f"{r['mode']:<9} {r['tokens']:>7} {r['prefix']:>4} {r['long_rows']:>5} {r['off_ms']:8.3f} {r['on_ms']:8.3f} "
         f"{kern}{base}  same {'yes' if r['same'] else 'NO'} ok {'yes' if r['ok'] else 'NO'}",
         flush=True,
     )
@@ -193,21 +154,15 @@ def main(argv=None) -> None:
     p.add_argument(
         "--limits", type=int, nargs="*", default=[train_rowfwd.LONG_ROW], help="long-row thresholds for 'on'"
     )
-    p.add_argument(
-        "--switch",
-        choices=sorted(SWITCHES),
-        default="long_rows",
-        help="what to A/B: the long-row programs (off / on) or the compaction's unroll (u1 / u2)",
-    )
     p.add_argument("--rep", type=int, default=100, help="ms of timing per measurement")
     p.add_argument("--out", default="bench_long_rows.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_long_rows.py needs a CUDA GPU")
-    ab = SWITCHES[args.switch]
-    a, b = ab.settings
-    print(f"ms: graph-replayed, {a} / {b}; us: the kernels named in one profiled call, {a} / {b}")
-    print(f"{'mode':<9} {'tokens':>7} {'P':>4} {'long':>5} {a + ' ms':>8} {b + ' ms':>8}  kernel us")
+    print("ms: graph-replayed, off / on; us: the row kernel (and dx) in one profiled call, off / on")
+    print(
+        f"{'mode':<9} {'tokens':>7} {'P':>4} {'long':>5} {'off ms':>8} {'on ms':>8} {'off us':>8} {'on us':>8}"
+    )
     rows, default = [], train_rowfwd.LONG_ROW
     for limit in args.limits:
         train_rowfwd.LONG_ROW = limit
@@ -215,14 +170,12 @@ def main(argv=None) -> None:
         try:
             for M in args.tokens:
                 for P in args.prefix:
-                    row = bench_inference(M, P, args.d_model, args.d_ff, args.rep, ab)
-                    rows.append(dict(row, limit=limit, switch=args.switch))
-                    print_row(rows[-1], ab)
+                    rows.append(dict(bench_inference(M, P, args.d_model, args.d_ff, args.rep), limit=limit))
+                    print_row(rows[-1])
                     torch.cuda.empty_cache()
             for M in args.train_tokens:
-                row = bench_train(M, args.d_model, args.d_ff, args.rep, ab)
-                rows.append(dict(row, limit=limit, switch=args.switch))
-                print_row(rows[-1], ab)
+                rows.append(dict(bench_train(M, args.d_model, args.d_ff, args.rep), limit=limit))
+                print_row(rows[-1])
                 torch.cuda.empty_cache()
         finally:
             train_rowfwd.LONG_ROW = default

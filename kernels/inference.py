@@ -38,6 +38,7 @@ from ._common import (
     interpreting,
     next_pow2,
 )
+from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_ticket
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
 from .train_format import build_pattern, hot_split
@@ -46,8 +47,11 @@ from .train_rowfwd import row_ffn_inference
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
 # row; "csr": the gate's positive bitmask compacted into a CSR of the cold positives (as the training
 # op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
-# at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above.
-SCHEDULES = ("row", "csr")
+# at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above; "fused"
+# (kernels/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
+# DEFAULT_FUSED_TOKENS.
+SCHEDULES = ("row", "csr", "fused")
+DEFAULT_FUSED_TOKENS = 0  # set from the H200 measurement (NOTES.md round 16)
 
 
 class InferenceStats(NamedTuple):
@@ -354,9 +358,10 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row" or "csr" (see the module doc; None: row at decode sizes or when a TwELL option
-    below is given, csr otherwise). slots / tile_n: TwELL format of the row schedule (see kernels.gate);
-    split: programs per row of its consumer (None: several at decode sizes, where few rows must fill
+    schedule: "row", "csr" or "fused" (see the module doc; None: fused up to DEFAULT_FUSED_TOKENS
+    tokens, row at the other decode sizes or when a TwELL option below is given, csr otherwise; fused
+    takes at most FUSED_MAX_TOKENS tokens and no TwELL option, and ignores the hot-unit ones).
+    slots / tile_n: TwELL format of the row schedule (see kernels.gate); split: programs per row of its consumer (None: several at decode sizes, where few rows must fill
     the GPU; 1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: none for
     csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on for row; ignored at decode sizes on a GPU).
     hot_prefix: P (a multiple of 32) -- the FIRST P units are computed densely on tensor cores straight
@@ -379,15 +384,33 @@ def twell_ffn_inference(
         )
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    M = x.shape[0]
+    twell_options = slots is not None or tile_n is not None or split is not None
+    ticket = None
+    if schedule == "fused" or (schedule is None and not twell_options and M <= DEFAULT_FUSED_TOKENS):
+        if M > FUSED_MAX_TOKENS:
+            raise ValueError(
+                f"schedule='fused' takes at most {FUSED_MAX_TOKENS} tokens, got {M}; use 'row' or None"
+            )
+        for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'fused'"
+                )
+        check_hot_units(hot_units)  # hot units are a large-batch device: ignored here, as on the row path
+        ticket = fused_ticket(x.device)  # None while capturing on a stream without one: row instead
+        schedule = "fused" if ticket is not None else "row"
     if schedule is None:  # a TwELL option asks for the row schedule
-        twell_options = slots is not None or tile_n is not None or split is not None
-        schedule = "row" if x.shape[0] <= DECODE_MAX_TOKENS or twell_options else "csr"
+        schedule = "row" if M <= DECODE_MAX_TOKENS or twell_options else "csr"
     hot_prefix = check_hot_prefix(hot_prefix, w_gate.shape[0])
     if hot_prefix and check_hot_units(hot_units):
         raise ValueError(
             f"hot_prefix={hot_prefix} and hot_units={hot_units}: choose one way of computing hot units densely"
         )
-    if schedule == "csr":
+    if schedule == "fused":  # every positive is used in-program: nothing can overflow
+        y = fused_ffn_decode(x, w_gate, w_up, w_down, ticket)
+        stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
+    elif schedule == "csr":
         for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
             if value is not None:
                 raise ValueError(

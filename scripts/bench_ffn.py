@@ -10,7 +10,8 @@
 
 Per shape: dense, the gate alone (two-kernel path: dense relu GEMM + compaction), and the FFN for each
 schedule (M > 64: --schedules, "csr" the default and "row" the TwELL consumer) and hot-unit count K
-(M > 64; K = 0: no hot units), or each consumer split (decode, M <= 64: the row schedule).
+(M > 64; K = 0: no hot units), or each consumer split (decode, M <= 64: the row schedule) and, up to
+FUSED_MAX_TOKENS tokens, schedule="fused" (the FFN in one kernel).
 'hgate' = the hot-split gate alone (row: dense pass + count + top-K + TwELL compaction; csr: the dense
 relu+bitmask GEMM alone), 'hmm' = the two hot GEMMs; 'sparse' = FFN - gate - hmm (csr: everything
 after the GEMM but the hot GEMMs: count, selection, CSR build, row kernel), with the GB/s the weight
@@ -38,6 +39,8 @@ from kernels.inference import (  # noqa: E402
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,
     DECODE_TILE_N,
+    DEFAULT_FUSED_TOKENS,
+    FUSED_MAX_TOKENS,
     SCHEDULES,
     _hot_part,
     decode_split,
@@ -188,6 +191,8 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         )
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
+            if M <= FUSED_MAX_TOKENS and not args.no_fused:
+                variants.append(dict(schedule="fused"))
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
@@ -234,8 +239,12 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 name = f"csr-p{P}"
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
-            else:  # "s16": split 16 given; "d16": the default, which picks 16 here
-                name = f"s{kw['split']}" if "split" in kw else f"d{decode_split(M)}"
+            elif kw.get("schedule") == "fused":
+                name = "fused"
+            elif "split" in kw:  # "s16": split 16 given
+                name = f"s{kw['split']}"
+            else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
+                name = "d-fused" if M <= DEFAULT_FUSED_TOKENS else f"d{decode_split(M)}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw, w=wts: twell_ffn_inference(x, *w, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
@@ -320,13 +329,24 @@ def main(argv=None):
         help="replay every size from a CUDA graph (no host launch cost; "
         "by default only M <= 64), as a captured or compiled model runs its FFNs",
     )
-    p.add_argument("--schedules", nargs="*", choices=SCHEDULES, default=["csr", "row"], help="M > 64")
+    p.add_argument(
+        "--schedules",
+        nargs="*",
+        choices=[s for s in SCHEDULES if s != "fused"],
+        default=["csr", "row"],
+        help="M > 64",
+    )
     p.add_argument(
         "--decode-splits",
         type=int,
         nargs="*",
         default=[0],
         help="consumer programs per row, M <= 64 (0: the default, kernels.inference.decode_split)",
+    )
+    p.add_argument(
+        "--no-fused",
+        action="store_true",
+        help=f"M <= {FUSED_MAX_TOKENS}: leave out schedule='fused' (the whole FFN in one kernel)",
     )
     p.add_argument(
         "--graph-layers",

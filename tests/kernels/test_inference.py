@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels import twell_ffn_inference
+from kernels import decode_fused, twell_ffn_inference
 from kernels.synthetic import (
     make_rows_dense,
     make_rows_heavy_tailed,
@@ -312,3 +312,139 @@ def test_compiles_without_graph_breaks_through_its_custom_op():
         (x, wg, wu, wd, -1, 0),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+# ---- schedule="fused": the decode FFN in one kernel (gate GEMV, gathers, partial rows, last-ticket sum)
+
+
+def _ticket_value(x) -> int:
+    return int(decode_fused.fused_ticket(x.device).item())
+
+
+@pytest.mark.parametrize("loads", ["tma", "ptr"])
+@pytest.mark.parametrize(
+    "M,D,F,dtype",
+    [
+        (1, 64, 128, torch.bfloat16),
+        (3, 128, 320, torch.bfloat16),
+        (16, 64, 192, torch.float32),
+        (5, 192, 256, torch.float32),
+    ],
+)
+def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisoned_empty, monkeypatch):
+    """Silent, fully dense and heavy-tailed rows and a tile where every unit fires: no slots, so
+    nothing overflows and every positive must reach y (poisoned buffers: nothing unwritten is read)."""
+    if loads == "ptr":
+        monkeypatch.setattr(decode_fused, "use_tma", lambda x, w: False)
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = (t.to(DEVICE) for t in _hard_inputs(M, D, F, dtype, seed))
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="fused", return_stats=True)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert not torch.isnan(y).any()
+    err, _ = _row_errors(y, x, wg, wu, wd)
+    assert err.max() < ROW_TOL[dtype], (
+        f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
+    )
+    assert int(stats.overflow_rows) == 0
+    assert _ticket_value(x) == 0  # the last program left the ticket ready for the next call
+
+
+def test_fused_repeats_exactly_and_resets_its_ticket():
+    """Partial rows summed in slice order: calls on the same inputs agree bit for bit, and calls of other
+    widths in between (another program count on the same ticket) do not disturb it."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = (t.to(DEVICE) for t in _hard_inputs(4, 64, 256, torch.bfloat16, seed))
+    first = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
+    other = paper_like_ffn_inputs(2, 64, 448, mean_active=12, dtype=torch.bfloat16, seed=seed, device=DEVICE)
+    y_other = twell_ffn_inference(*other, schedule="fused")
+    err, _ = _row_errors(y_other, *other)
+    assert err.max() < ROW_TOL[torch.bfloat16]
+    assert torch.equal(first, twell_ffn_inference(x, wg, wu, wd, schedule="fused"))
+    assert _ticket_value(x) == 0
+
+
+def test_fused_all_silent_batch_gives_zeros():
+    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(2, 64, 128, dtype=torch.float32, seed=3))
+    wg = -wg.abs()
+    x = x.abs()  # every pre-activation <= 0: no slice flags a partial row
+    y = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_fused_rejects_what_it_cannot_take():
+    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(17, 64, 128, seed=1))
+    with pytest.raises(ValueError, match="schedule='fused' takes at most 16 tokens, got 17"):
+        twell_ffn_inference(x, wg, wu, wd, schedule="fused")
+    with pytest.raises(ValueError, match="slots=8 is a TwELL option of schedule='row'"):
+        twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", slots=8)
+    with pytest.raises(ValueError, match="hot_units=-1 must be an integer >= 0"):
+        twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", hot_units=-1)
+
+
+def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
+    """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel (bit for bit); past it,
+    or with a TwELL option, the row schedule."""
+    from kernels import inference
+
+    monkeypatch.setattr(inference, "DEFAULT_FUSED_TOKENS", 2)
+    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(3, 64, 192, dtype=torch.bfloat16, seed=5))
+    calls = []
+    real = inference.fused_ffn_decode
+    monkeypatch.setattr(inference, "fused_ffn_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    y2 = twell_ffn_inference(x[:2], wg, wu, wd)
+    twell_ffn_inference(x, wg, wu, wd)
+    twell_ffn_inference(x[:2], wg, wu, wd, slots=8)
+    assert calls == [2]
+    assert torch.equal(y2, real(x[:2], wg, wu, wd, decode_fused.fused_ticket(x.device)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_fused_replays_in_a_cuda_graph(M):
+    """Warmed up on the capture stream (its ticket exists): the graph holds the fused kernel, every
+    replay on new inputs is exact and identical to an eager call. A capture on a stream without a
+    ticket takes the row schedule (no fill node for the ticket) and is exact too."""
+    x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
+    static_x = x.clone()
+    graphs = {}
+    for warm in (True, False):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            if warm:
+                twell_ffn_inference(static_x, wg, wu, wd, schedule="fused")
+            else:
+                twell_ffn_inference(static_x, wg, wu, wd, schedule="row")  # compile outside the capture
+            with torch.cuda.graph(graph, stream=stream):
+                y = twell_ffn_inference(static_x, wg, wu, wd, schedule="fused")
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[warm] = (graph, y)
+    for seed in (1, 2):
+        fresh = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=1000 * seed + M)[0]
+        static_x.copy_(fresh)
+        ref = (
+            (torch.relu(fresh.float() @ wg.float().T) * (fresh.float() @ wu.float().T)) @ wd.float()
+        ).double()
+        for warm, (graph, y) in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
+            assert err.max() < 1e-2, f"warm={warm}: {float(err.max()):.3g}"
+        assert torch.equal(graphs[True][1], twell_ffn_inference(fresh, wg, wu, wd, schedule="fused"))
+    assert _ticket_value(x) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 8, 16])
+def test_fused_at_paper_shapes(M):
+    """d 2048, d_ff 5632 and 8192 (88 / 128 programs), paper-like rows plus a fully dense one."""
+    from kernels.synthetic import make_rows_dense
+
+    for F in (5632, 8192):
+        x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, F, device="cuda", seed=M + F)
+        make_rows_dense(x, [M // 2])
+        y = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
+        ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
+        err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
+        assert err.max() < 1e-2, f"d_ff {F}: worst row {int(err.argmax())}: {float(err.max()):.3g}"

@@ -1,18 +1,19 @@
-"""The decode FFN in one kernel (schedule "fused", a few tokens): gate GEMV, gather and sum, one launch.
+"""The decode FFN in one kernel (schedule "fused", up to 8 tokens): gate GEMV, gathers and sums, one launch.
 
 One program per 64-unit slice of d_ff computes the slice's gate pre-activations for all tokens (the
-TwELL gate's TMA mainloop: the whole batch is one BLOCK_M tile), and for each token with active units
-in the slice gathers w_up[j] and w_down[j] of those units and writes the token's partial row
-sum_j g_j (x . w_up[j]) w_down[j] (fp32) plus a flag saying it did. No TwELL format leaves the
-program, so no tile can overflow: every positive is used. The last program to finish (a ticket)
-adds, per token, the partial rows of the slices that flagged one, in slice order (run to run
-identical, no atomics on y), and writes y in x's dtype. One kernel where the row schedule launches two
-(gate, consumer): a kernel boundary inside a CUDA graph costs ~2 us, a tenth of a 1-token FFN.
+TwELL gate's TMA mainloop: the whole batch is one 16-row tile), and for each token with active units
+in the slice gathers w_up[j] and w_down[j] of those units and adds the token's partial row
+sum_j g_j (x . w_up[j]) w_down[j] into an fp32 row with atomics. No TwELL format leaves the program,
+so no tile can overflow: every positive is used. The last program to finish (a ticket) casts the fp32
+rows to y in x's dtype and zeroes them again. One kernel where the row schedule launches two (gate,
+consumer): a kernel boundary inside a CUDA graph costs ~2 us, a tenth of a 1-token FFN. The atomics
+make the order of the fp32 sum vary from run to run (the last bit of y may differ); under
+torch.use_deterministic_algorithms(True) the default takes the row schedule.
 
-The ticket is the only state kept between calls: one int32 per (device, stream), zeroed once when
-first used there and reset by the last program of every call. A call made while a CUDA graph is being
-captured on a stream that has no ticket yet takes the row schedule instead (creating one would put a
-fill into the graph); warm up on the capture stream to get the fused kernel in the graph.
+The workspace (a ticket and the fp32 rows) is the only state kept between calls: one per (device,
+stream, d_model), zeroed once when first used there and left zeroed by every call. A call made while a
+CUDA graph is being captured on a stream without one takes the row schedule instead (creating it would
+put a fill into the graph); warm up on the capture stream to get the fused kernel in the graph.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_re
 from .gate import _gate_tile_tma, gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
-FUSED_MAX_TOKENS = 16  # one BLOCK_M tile of the gate; which sizes take it by default: DEFAULT_FUSED_TOKENS
+GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
+FUSED_MAX_TOKENS = (
+    8  # the last program's [M, d_model] read of y32 stays in registers; the default: DEFAULT_FUSED_TOKENS
+)
 
 
 @triton.jit
@@ -36,8 +40,7 @@ def _fused_decode_kernel(
     wu_ptr,
     wd_ptr,
     y_ptr,
-    parts_ptr,
-    flags_ptr,
+    y32_ptr,
     ticket_ptr,
     M,
     F,
@@ -46,11 +49,10 @@ def _fused_decode_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    M_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    T_PAD: tl.constexpr,
     CH: tl.constexpr,
-    PCH: tl.constexpr,
     TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -78,8 +80,6 @@ def _fused_decode_kernel(
         g_m = tl.sum(tl.where(rows[:, None] == m, g, 0.0), axis=0)  # [TILE_N]: token m's gates here
         live = (g_m > 0).to(tl.int32)
         n_live = tl.sum(live, axis=0)
-        if m < M:
-            tl.store(flags_ptr + m * T + tile, (n_live > 0).to(tl.int32))
         if n_live > 0:  # (0 for rows past M)
             rank = tl.cumsum(live, axis=0) - 1
             x_m = tl.load(x_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
@@ -97,33 +97,18 @@ def _fused_decode_kernel(
                 wd = tl.load(wd_ptr + w_off, mask=both, other=0.0)
                 h = gate * tl.sum(wu.to(tl.float32) * x_m[None, :], axis=1)
                 acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
-            tl.store(parts_ptr + (tile.to(tl.int64) * M + m) * D + ds, acc, mask=d_ok)
-    # Every thread's stores are ordered before thread 0's release of the ticket (bar.sync, then the
-    # acq_rel atomic): the program that draws the last ticket sees all partial rows and flags.
+            tl.atomic_add(y32_ptr + m * D + ds, acc, mask=d_ok, sem="relaxed")
+    # Every thread's atomics are ordered before thread 0's release of the ticket (bar.sync, then the
+    # acq_rel atomic): the program that draws the last ticket sees every slice's contribution.
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if ticket == T - 1:
-        ts = tl.arange(0, T_PAD)
-        pl = tl.arange(0, PCH)
-        for m in range(M if DYNAMIC_LOOPS else BLOCK_M):
-            flag = tl.load(flags_ptr + m * T + ts, mask=(ts < T) & (m < M), other=0, cache_modifier=".cg")
-            rank = tl.cumsum(flag, axis=0) - 1
-            n_parts = tl.sum(flag, axis=0)
-            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            for p0 in range(
-                0, n_parts if DYNAMIC_LOOPS else T_PAD, PCH
-            ):  # the flagged slices in slice order, PCH rows per load
-                sel = (flag[None, :] > 0) & (rank[None, :] == (p0 + pl)[:, None])
-                src = tl.sum(tl.where(sel, ts[None, :], 0), axis=1)
-                ok = (p0 + pl) < n_parts
-                part = tl.load(
-                    parts_ptr + (src.to(tl.int64)[:, None] * M + m) * D + ds[None, :],
-                    mask=ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                acc += tl.sum(part, axis=0)
-            tl.store(y_ptr + m * D + ds, acc.to(y_ptr.dtype.element_ty), mask=d_ok & (m < M))
+        ms = tl.arange(0, M_PAD)
+        off = ms[:, None] * D + ds[None, :]
+        both = (ms < M)[:, None] & d_ok[None, :]
+        y = tl.load(y32_ptr + off, mask=both, other=0.0, cache_modifier=".cg")  # L2, where atomics land
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=both)
+        tl.store(y32_ptr + off, tl.zeros((M_PAD, BLOCK_D), dtype=tl.float32), mask=both)
         tl.atomic_xchg(ticket_ptr, 0)  # ready for the next call on this stream
 
 
@@ -135,10 +120,10 @@ def _set_desc_blocks(nargs):
 
 
 def _fused_configs() -> list[triton.Config]:
-    # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH / PCH rows per gather.
+    # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH weight rows per gather.
     return [
-        triton.Config({"CH": ch, "PCH": pch}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
-        for w, s, ch, pch in ((4, 4, 4, 4), (8, 4, 4, 8), (4, 6, 4, 4), (8, 6, 8, 8))
+        triton.Config({"CH": ch}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
+        for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8))
     ]
 
 
@@ -146,22 +131,24 @@ _tuned_fused = triton.autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "
     _fused_decode_kernel
 )
 
-_tickets: dict[tuple, torch.Tensor] = {}
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def fused_ticket(device: torch.device) -> torch.Tensor | None:
-    """The fused kernel's ticket for the current stream of `device` (created zeroed on first use), or
-    None while that stream is capturing a CUDA graph and has none (the caller takes the row schedule)."""
-    if device.type == "cuda":
-        key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device.type, device.index, 0)
-    ticket = _tickets.get(key)
-    if ticket is None:
+def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ticket int32 [1], y32 fp32 [FUSED_MAX_TOKENS, D]) of the current stream of `device`, created
+    zeroed on first use (the kernel leaves both zeroed), or None while that stream is capturing a CUDA
+    graph and has none (the caller takes the row schedule: a fill would join the graph)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream, D)
+    ws = _workspaces.get(key)
+    if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        ticket = _tickets[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return ticket
+        ws = _workspaces[key] = (
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros((FUSED_MAX_TOKENS, D), dtype=torch.float32, device=device),
+        )
+    return ws
 
 
 def use_tma(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
@@ -170,42 +157,40 @@ def use_tma(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
     return tma_ready(x, w_gate)
 
 
-def fused_ffn_decode(x, w_gate, w_up, w_down, ticket: torch.Tensor) -> torch.Tensor:
-    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks are the caller's; `ticket`
-    from fused_ticket)."""
+def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
+    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks are the caller's; `workspace`
+    from fused_workspace)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
     F = w_gate.shape[0]
     if M > FUSED_MAX_TOKENS:
         raise ValueError(f"schedule='fused' takes at most {FUSED_MAX_TOKENS} tokens, got {M}")
+    ticket, y32 = workspace
     T = triton.cdiv(F, FUSED_TILE_N)
-    block_m = FUSED_MAX_TOKENS  # the batch is one row tile of the gate (16: tl.dot's smallest)
     tma = use_tma(x, w_gate)
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
     if tma:
-        x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        x_src = TensorDescriptor.from_tensor(x, [GATE_BLOCK_M, block_k])
         w_src = TensorDescriptor.from_tensor(w_gate, [FUSED_TILE_N, block_k])
     else:
         x_src, w_src = x, w_gate
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    parts = torch.empty((T, M, D), dtype=torch.float32, device=x.device)  # row (tile, m) written iff flagged
-    flags = torch.empty((M, T), dtype=torch.int32, device=x.device)  # every entry written every call
-    args = (x_src, w_src, x, w_up, w_down, y, parts, flags, ticket, M, F, T, next_pow2(M))
+    args = (x_src, w_src, x, w_up, w_down, y, y32, ticket, M, F, T, next_pow2(M))
     common = dict(
         D=D,
         BLOCK_D=next_pow2(D),
-        BLOCK_M=block_m,
+        BLOCK_M=GATE_BLOCK_M,
+        M_PAD=next_pow2(M),
         TILE_N=FUSED_TILE_N,
         BLOCK_K=block_k,
-        T_PAD=next_pow2(T),
         TMA=tma,
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
     )
     if interpreting():
-        _fused_decode_kernel[(T,)](*args, CH=4, PCH=4, DYNAMIC_LOOPS=False, **common)
+        _fused_decode_kernel[(T,)](*args, CH=4, DYNAMIC_LOOPS=False, **common)
     else:
         _tuned_fused[(T,)](*args, DYNAMIC_LOOPS=True, **common)
     return y

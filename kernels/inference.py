@@ -38,7 +38,7 @@ from ._common import (
     interpreting,
     next_pow2,
 )
-from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_ticket
+from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_workspace
 from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
 from .train_format import build_pattern, hot_split
@@ -213,6 +213,7 @@ def _row_consumer_kernel(
         # ticket (per-row counters the gate kernel zeroed) adds the partials up in part order
         # (deterministic) and writes y: no fill before and no cast kernel after (decode graphs).
         tl.store(parts_ptr + (part.to(tl.int64) * n_rows + row) * D + ds, acc, mask=d_ok)
+        tl.debug_barrier()  # every thread's partial before thread 0's release (bar.sync, then acq_rel)
         ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")  # release: the partial above
         if ticket == SPLIT - 1:
             y_row = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -386,7 +387,7 @@ def twell_ffn_inference(
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     M = x.shape[0]
     twell_options = slots is not None or tile_n is not None or split is not None
-    ticket = None
+    workspace = None
     if schedule == "fused" or (schedule is None and not twell_options and M <= DEFAULT_FUSED_TOKENS):
         if M > FUSED_MAX_TOKENS:
             raise ValueError(
@@ -398,8 +399,16 @@ def twell_ffn_inference(
                     f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'fused'"
                 )
         check_hot_units(hot_units)  # hot units are a large-batch device: ignored here, as on the row path
-        ticket = fused_ticket(x.device)  # None while capturing on a stream without one: row instead
-        schedule = "fused" if ticket is not None else "row"
+        if torch.are_deterministic_algorithms_enabled():
+            if schedule == "fused":
+                raise RuntimeError(
+                    "schedule='fused' adds slices' fp32 partial rows with atomics (run-to-run bits may "
+                    "differ) and torch.use_deterministic_algorithms(True) is set; use schedule='row'"
+                )
+            workspace = None
+        else:  # None while capturing on a stream without one: the row schedule instead
+            workspace = fused_workspace(x.device, x.shape[1])
+        schedule = "fused" if workspace is not None else "row"
     if schedule is None:  # a TwELL option asks for the row schedule
         schedule = "row" if M <= DECODE_MAX_TOKENS or twell_options else "csr"
     hot_prefix = check_hot_prefix(hot_prefix, w_gate.shape[0])
@@ -408,7 +417,7 @@ def twell_ffn_inference(
             f"hot_prefix={hot_prefix} and hot_units={hot_units}: choose one way of computing hot units densely"
         )
     if schedule == "fused":  # every positive is used in-program: nothing can overflow
-        y = fused_ffn_decode(x, w_gate, w_up, w_down, ticket)
+        y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace)
         stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
     elif schedule == "csr":
         for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):

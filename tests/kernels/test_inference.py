@@ -314,11 +314,12 @@ def test_compiles_without_graph_breaks_through_its_custom_op():
     )
 
 
-# ---- schedule="fused": the decode FFN in one kernel (gate GEMV, gathers, partial rows, last-ticket sum)
+# ---- schedule="fused": the decode FFN in one kernel (gate GEMV, gathers, atomics, last-ticket cast)
 
 
-def _ticket_value(x) -> int:
-    return int(decode_fused.fused_ticket(x.device).item())
+def _workspace_is_clean(x) -> bool:
+    ticket, y32 = decode_fused.fused_workspace(x.device, x.shape[1])
+    return int(ticket.item()) == 0 and not y32.any()
 
 
 @pytest.mark.parametrize("loads", ["tma", "ptr"])
@@ -327,13 +328,13 @@ def _ticket_value(x) -> int:
     [
         (1, 64, 128, torch.bfloat16),
         (3, 128, 320, torch.bfloat16),
-        (16, 64, 192, torch.float32),
+        (8, 64, 192, torch.float32),
         (5, 192, 256, torch.float32),
     ],
 )
 def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisoned_empty, monkeypatch):
     """Silent, fully dense and heavy-tailed rows and a tile where every unit fires: no slots, so
-    nothing overflows and every positive must reach y (poisoned buffers: nothing unwritten is read)."""
+    nothing overflows and every positive must reach y (y is poisoned: an unwritten element fails)."""
     if loads == "ptr":
         monkeypatch.setattr(decode_fused, "use_tma", lambda x, w: False)
     seed = int(torch.randint(0, 2**31, ()).item())
@@ -346,34 +347,39 @@ def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisone
         f"seed {seed}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
     )
     assert int(stats.overflow_rows) == 0
-    assert _ticket_value(x) == 0  # the last program left the ticket ready for the next call
+    assert _workspace_is_clean(x)  # the last program left ticket and fp32 rows ready for the next call
 
 
-def test_fused_repeats_exactly_and_resets_its_ticket():
-    """Partial rows summed in slice order: calls on the same inputs agree bit for bit, and calls of other
-    widths in between (another program count on the same ticket) do not disturb it."""
+def test_fused_calls_in_a_row_share_the_workspace():
+    """Calls of other widths and batch sizes in between (another program count on the same ticket,
+    another d_model's workspace) leave every result exact; the same inputs give the same y up to the
+    order of the fp32 sum (bit for bit under the interpreter, which runs programs in order)."""
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = (t.to(DEVICE) for t in _hard_inputs(4, 64, 256, torch.bfloat16, seed))
     first = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
-    other = paper_like_ffn_inputs(2, 64, 448, mean_active=12, dtype=torch.bfloat16, seed=seed, device=DEVICE)
-    y_other = twell_ffn_inference(*other, schedule="fused")
-    err, _ = _row_errors(y_other, *other)
-    assert err.max() < ROW_TOL[torch.bfloat16]
-    assert torch.equal(first, twell_ffn_inference(x, wg, wu, wd, schedule="fused"))
-    assert _ticket_value(x) == 0
+    for M, D, F in ((2, 64, 448), (7, 128, 192), (1, 64, 256)):
+        other = paper_like_ffn_inputs(M, D, F, mean_active=12, dtype=torch.bfloat16, seed=seed, device=DEVICE)
+        err, _ = _row_errors(twell_ffn_inference(*other, schedule="fused"), *other)
+        assert err.max() < ROW_TOL[torch.bfloat16], f"seed {seed}: {(M, D, F)} rel err {float(err.max()):.3g}"
+    again = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
+    if DEVICE == "cpu":
+        assert torch.equal(first, again)
+    else:
+        torch.testing.assert_close(first, again, rtol=2**-7, atol=1e-5)
+    assert _workspace_is_clean(x)
 
 
 def test_fused_all_silent_batch_gives_zeros():
     x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(2, 64, 128, dtype=torch.float32, seed=3))
     wg = -wg.abs()
-    x = x.abs()  # every pre-activation <= 0: no slice flags a partial row
+    x = x.abs()  # every pre-activation <= 0: no slice adds anything
     y = twell_ffn_inference(x, wg, wu, wd, schedule="fused")
     assert torch.equal(y, torch.zeros_like(y))
 
 
 def test_fused_rejects_what_it_cannot_take():
-    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(17, 64, 128, seed=1))
-    with pytest.raises(ValueError, match="schedule='fused' takes at most 16 tokens, got 17"):
+    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(9, 64, 128, seed=1))
+    with pytest.raises(ValueError, match="schedule='fused' takes at most 8 tokens, got 9"):
         twell_ffn_inference(x, wg, wu, wd, schedule="fused")
     with pytest.raises(ValueError, match="slots=8 is a TwELL option of schedule='row'"):
         twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", slots=8)
@@ -382,8 +388,9 @@ def test_fused_rejects_what_it_cannot_take():
 
 
 def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
-    """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel (bit for bit); past it,
-    or with a TwELL option, the row schedule."""
+    """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel; past it, with a TwELL
+    option, or under torch.use_deterministic_algorithms(True) the row schedule (and an explicit
+    schedule='fused' is refused there, naming the fix)."""
     from kernels import inference
 
     monkeypatch.setattr(inference, "DEFAULT_FUSED_TOKENS", 2)
@@ -395,15 +402,25 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
     twell_ffn_inference(x, wg, wu, wd)
     twell_ffn_inference(x[:2], wg, wu, wd, slots=8)
     assert calls == [2]
-    assert torch.equal(y2, real(x[:2], wg, wu, wd, decode_fused.fused_ticket(x.device)))
+    err, _ = _row_errors(y2, x[:2], wg, wu, wd)
+    assert err.max() < ROW_TOL[torch.bfloat16]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        twell_ffn_inference(x[:2], wg, wu, wd)
+        assert calls == [2]
+        with pytest.raises(RuntimeError, match="use schedule='row'"):
+            twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused")
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("M", [1, 4, 8])
 def test_fused_replays_in_a_cuda_graph(M):
-    """Warmed up on the capture stream (its ticket exists): the graph holds the fused kernel, every
-    replay on new inputs is exact and identical to an eager call. A capture on a stream without a
-    ticket takes the row schedule (no fill node for the ticket) and is exact too."""
+    """Warmed up on the capture stream (its workspace exists): the graph holds the fused kernel, and
+    every replay on new inputs is exact and matches an eager call (up to the fp32 sum's order). A
+    capture on a stream without a workspace takes the row schedule (no fill node) and is exact too."""
     x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
     static_x = x.clone()
     graphs = {}
@@ -431,12 +448,13 @@ def test_fused_replays_in_a_cuda_graph(M):
             torch.cuda.synchronize()
             err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
             assert err.max() < 1e-2, f"warm={warm}: {float(err.max()):.3g}"
-        assert torch.equal(graphs[True][1], twell_ffn_inference(fresh, wg, wu, wd, schedule="fused"))
-    assert _ticket_value(x) == 0
+        eager = twell_ffn_inference(fresh, wg, wu, wd, schedule="fused")
+        torch.testing.assert_close(graphs[True][1], eager, rtol=2**-7, atol=1e-5)
+    assert _workspace_is_clean(x)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 2, 8, 16])
+@pytest.mark.parametrize("M", [1, 2, 8])
 def test_fused_at_paper_shapes(M):
     """d 2048, d_ff 5632 and 8192 (88 / 128 programs), paper-like rows plus a fully dense one."""
     from kernels.synthetic import make_rows_dense

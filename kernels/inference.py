@@ -1,7 +1,11 @@
 """TwELL inference FFN: y = sum_j relu(g_j) * (x . w_up[j]) * w_down[j], no autograd, no host sync.
 
-Two schedules (`schedule=`; the default picks by batch size):
-- "row" (decode sizes, 1-64 tokens): the gate kernel writes the TwELL format from its epilogue and one
+Three schedules (`schedule=`; the default picks by batch size):
+- "fused" (1-2 tokens by default, at most FUSED_MAX_TOKENS): the whole FFN in one kernel
+  (kernels/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
+  format in memory and no second launch; y's last bit may vary run to run (the row schedule under
+  torch.use_deterministic_algorithms(True)).
+- "row" (decode sizes, 3-64 tokens): the gate kernel writes the TwELL format from its epilogue and one
   program per token row (split over several programs at decode sizes) walks its TwELL entries on CUDA
   cores, gathering w_up[j] and w_down[j] per active unit (the paper's reference schedule); overflow
   tiles (more positives than slots) are recomputed densely from x and w_gate inside the program. h is
@@ -51,7 +55,7 @@ from .train_rowfwd import row_ffn_inference
 # (kernels/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
 # DEFAULT_FUSED_TOKENS.
 SCHEDULES = ("row", "csr", "fused")
-DEFAULT_FUSED_TOKENS = 0  # set from the H200 measurement (NOTES.md round 16)
+DEFAULT_FUSED_TOKENS = 2  # H200, per layer in an 8-layer graph: NOTES.md round 16
 
 
 class InferenceStats(NamedTuple):

@@ -159,11 +159,12 @@ def test_split_rows_are_summed_by_their_last_program(path, poisoned_empty):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 64])
 def test_decode_dense_row_takes_the_overflow_path(M):
-    """Decode defaults (64-wide tiles, 32 slots): a row where every unit fires overflows every tile and
-    is recomputed exactly, counted in overflow_rows; the other rows stay on their slots."""
+    """The row schedule's decode format (64-wide tiles, 32 slots): a row where every unit fires
+    overflows every tile and is recomputed exactly, counted in overflow_rows; the other rows stay on
+    their slots."""
     x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
     make_rows_dense(x, [M // 2])
-    y, stats = twell_ffn_inference(x, wg, wu, wd, return_stats=True)
+    y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="row", return_stats=True)
     ref = ((torch.relu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)) @ wd.float()).double()
     err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
     assert err.max() < 1e-2, f"worst row {int(err.argmax())}: {float(err.max()):.3g}"
@@ -173,16 +174,17 @@ def test_decode_dense_row_takes_the_overflow_path(M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 64])
 def test_decode_replays_in_a_cuda_graph(M):
-    """Decode sizes in a CUDA graph (no host sync, no fill or cast nodes): every replay on new inputs
-    is exact and identical to an eager call on them."""
+    """The row schedule at decode sizes in a CUDA graph (no host sync, no fill or cast nodes): every
+    replay on new inputs is exact and identical to an eager call on them (the fused schedule's graph:
+    test_fused_replays_in_a_cuda_graph)."""
     x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
     static_x = x.clone()
-    twell_ffn_inference(static_x, wg, wu, wd)  # autotune outside the capture
+    twell_ffn_inference(static_x, wg, wu, wd, schedule="row")  # autotune outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        y = twell_ffn_inference(static_x, wg, wu, wd)
+        y = twell_ffn_inference(static_x, wg, wu, wd, schedule="row")
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (1, 2):
         fresh = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=1000 * seed + M)[0]
@@ -194,7 +196,7 @@ def test_decode_replays_in_a_cuda_graph(M):
         ).double()
         err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
         assert err.max() < 1e-2
-        assert torch.equal(y, twell_ffn_inference(fresh, wg, wu, wd))
+        assert torch.equal(y, twell_ffn_inference(fresh, wg, wu, wd, schedule="row"))
 
 
 @pytest.mark.parametrize("hot", [0, 64])

@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.decode_fused import set_fused_variant  # noqa: E402
 from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import (  # noqa: E402
     DECODE_MAX_TOKENS,
@@ -52,7 +51,6 @@ from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
 from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 GRAPH_MAX_TOKENS = 64
-FUSED_UNION = {"auto": None, "on": True, "off": False}
 CALIBRATION_ROWS = 4096  # untimed rows that order the units for --hot-prefix
 
 
@@ -194,7 +192,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
             if M <= FUSED_MAX_TOKENS and not args.no_fused:
-                variants += [dict(schedule="fused", fused_union=FUSED_UNION[u]) for u in args.fused_union]
+                variants.append(dict(schedule="fused"))
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
@@ -205,11 +203,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
-            kw = dict(kw)
-            union = kw.pop("fused_union", None)
-            set_fused_variant(
-                union
-            )  # the gathers of schedule="fused" (a launch-time switch: captures follow it)
             K = kw.get("hot_units", 0)
             P = kw.get("hot_prefix", 0)
             wts = permuted[1] if P else (w_gate, w_up, w_down)
@@ -246,8 +239,8 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 name = f"csr-p{P}"
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
-            elif kw.get("schedule") == "fused":  # "fused": its default gathers; "-u" union, "-t" by token
-                name = "fused" + {None: "", True: "-u", False: "-t"}[union]
+            elif kw.get("schedule") == "fused":
+                name = "fused"
             elif "split" in kw:  # "s16": split 16 given
                 name = f"s{kw['split']}"
             else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
@@ -354,13 +347,6 @@ def main(argv=None):
         "--no-fused",
         action="store_true",
         help=f"M <= {FUSED_MAX_TOKENS}: leave out schedule='fused' (the whole FFN in one kernel)",
-    )
-    p.add_argument(
-        "--fused-union",
-        nargs="*",
-        choices=list(FUSED_UNION),
-        default=["auto"],
-        help="schedule='fused' gathers: auto (by batch size), on (union of live units), off (token by token)",
     )
     p.add_argument(
         "--graph-layers",

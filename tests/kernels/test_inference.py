@@ -324,14 +324,6 @@ def _workspace_is_clean(x) -> bool:
     return int(ticket.item()) == 0 and not y32.any()
 
 
-@pytest.fixture(params=[True, False], ids=["union", "by_token"])
-def fused_union(request):
-    """Both gather orders of the fused kernel (kernels.decode_fused.set_fused_variant)."""
-    decode_fused.set_fused_variant(request.param)
-    yield request.param
-    decode_fused.set_fused_variant(None)
-
-
 @pytest.mark.parametrize("loads", ["tma", "ptr"])
 @pytest.mark.parametrize(
     "M,D,F,dtype",
@@ -342,9 +334,7 @@ def fused_union(request):
         (5, 192, 256, torch.float32),
     ],
 )
-def test_fused_matches_reference_on_hard_patterns(
-    loads, M, D, F, dtype, poisoned_empty, monkeypatch, fused_union
-):
+def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisoned_empty, monkeypatch):
     """Silent, fully dense and heavy-tailed rows and a tile where every unit fires: no slots, so
     nothing overflows and every positive must reach y (y is poisoned: an unwritten element fails)."""
     if loads == "ptr":
@@ -362,7 +352,7 @@ def test_fused_matches_reference_on_hard_patterns(
     assert _workspace_is_clean(x)  # the last program left ticket and fp32 rows ready for the next call
 
 
-def test_fused_calls_in_a_row_share_the_workspace(fused_union):
+def test_fused_calls_in_a_row_share_the_workspace():
     """Calls of other widths and batch sizes in between (another program count on the same ticket,
     another d_model's workspace) leave every result exact; the same inputs give the same y up to the
     order of the fp32 sum (bit for bit under the interpreter, which runs programs in order)."""
@@ -381,7 +371,7 @@ def test_fused_calls_in_a_row_share_the_workspace(fused_union):
     assert _workspace_is_clean(x)
 
 
-def test_fused_all_silent_batch_gives_zeros(fused_union):
+def test_fused_all_silent_batch_gives_zeros():
     x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(2, 64, 128, dtype=torch.float32, seed=3))
     wg = -wg.abs()
     x = x.abs()  # every pre-activation <= 0: no slice adds anything
@@ -397,8 +387,6 @@ def test_fused_rejects_what_it_cannot_take():
         twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", slots=8)
     with pytest.raises(ValueError, match="hot_units=-1 must be an integer >= 0"):
         twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", hot_units=-1)
-    with pytest.raises(ValueError, match="union='yes' must be True, False or None"):
-        decode_fused.set_fused_variant("yes")
 
 
 def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
@@ -431,7 +419,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4, 8])
-def test_fused_replays_in_a_cuda_graph(M, fused_union):
+def test_fused_replays_in_a_cuda_graph(M):
     """Warmed up on the capture stream (its workspace exists): the graph holds the fused kernel, and
     every replay on new inputs is exact and matches an eager call (up to the fp32 sum's order). A
     capture on a stream without a workspace takes the row schedule (no fill node) and is exact too."""
@@ -469,7 +457,7 @@ def test_fused_replays_in_a_cuda_graph(M, fused_union):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2, 8])
-def test_fused_at_paper_shapes(M, fused_union):
+def test_fused_at_paper_shapes(M):
     """d 2048, d_ff 5632 and 8192 (88 / 128 programs), paper-like rows plus a fully dense one."""
     from kernels.synthetic import make_rows_dense
 

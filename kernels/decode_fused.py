@@ -28,9 +28,8 @@ from .gate import _gate_tile_tma, gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
-FUSED_MAX_TOKENS = (
-    8  # the last program's [M, d_model] read of y32 stays in registers; the default: DEFAULT_FUSED_TOKENS
-)
+# The last program's [M, d_model] read of y32 stays in registers (the default bound: DEFAULT_FUSED_TOKENS).
+FUSED_MAX_TOKENS = 8
 
 
 @triton.jit
@@ -154,24 +153,16 @@ def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.T
     return ws
 
 
-def use_tma(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """TMA loads for the gate GEMV (Hopper or later and 16-byte aligned bases; the interpreter emulates
-    them), else pointer loads."""
-    return tma_ready(x, w_gate)
-
-
 def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
-    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks are the caller's; `workspace`
-    from fused_workspace)."""
+    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks, the token bound included, are
+    the caller's; `workspace` from fused_workspace)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
     F = w_gate.shape[0]
-    if M > FUSED_MAX_TOKENS:
-        raise ValueError(f"schedule='fused' takes at most {FUSED_MAX_TOKENS} tokens, got {M}")
     ticket, y32 = workspace
     T = triton.cdiv(F, FUSED_TILE_N)
-    tma = use_tma(x, w_gate)
+    tma = tma_ready(x, w_gate)  # TMA loads for the gate GEMV (Hopper+, aligned), else pointer loads
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
     if tma:

@@ -366,9 +366,10 @@ def twell_ffn_inference(
     schedule: "row", "csr" or "fused" (see the module doc; None: fused up to DEFAULT_FUSED_TOKENS
     tokens, row at the other decode sizes or when a TwELL option below is given, csr otherwise; fused
     takes at most FUSED_MAX_TOKENS tokens and no TwELL option, and ignores the hot-unit ones).
-    slots / tile_n: TwELL format of the row schedule (see kernels.gate); split: programs per row of its consumer (None: several at decode sizes, where few rows must fill
-    the GPU; 1 otherwise). hot_units: K units computed densely on tensor cores (0: off; None: none for
-    csr, DEFAULT_HOT_UNITS from HOT_MIN_TOKENS tokens on for row; ignored at decode sizes on a GPU).
+    slots / tile_n: TwELL format of the row schedule (see kernels.gate); split: programs per row of its
+    consumer (None: several at decode sizes, where few rows must fill the GPU; 1 otherwise).
+    hot_units: K units computed densely on tensor cores (0: off; None: none for csr, DEFAULT_HOT_UNITS
+    from HOT_MIN_TOKENS tokens on for row; ignored at decode sizes on a GPU).
     hot_prefix: P (a multiple of 32) -- the FIRST P units are computed densely on tensor cores straight
     from the gate GEMM's dense h, y_hot = (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P], and the sparse part
     covers units P and up: no per-batch selection, no gathers, no copies. Exact for any P; fast when
@@ -397,21 +398,15 @@ def twell_ffn_inference(
             raise ValueError(
                 f"schedule='fused' takes at most {FUSED_MAX_TOKENS} tokens, got {M}; use 'row' or None"
             )
-        for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'fused'"
-                )
+        _reject_twell_options("fused", slots, tile_n, split)
         check_hot_units(hot_units)  # hot units are a large-batch device: ignored here, as on the row path
-        if torch.are_deterministic_algorithms_enabled():
-            if schedule == "fused":
-                raise RuntimeError(
-                    "schedule='fused' adds slices' fp32 partial rows with atomics (run-to-run bits may "
-                    "differ) and torch.use_deterministic_algorithms(True) is set; use schedule='row'"
-                )
-            workspace = None
-        else:  # None while capturing on a stream without one: the row schedule instead
-            workspace = fused_workspace(x.device, x.shape[1])
+        if not torch.are_deterministic_algorithms_enabled():  # None while capturing on a stream without
+            workspace = fused_workspace(x.device, x.shape[1])  # one: the row schedule instead
+        elif schedule == "fused":
+            raise RuntimeError(
+                "schedule='fused' adds slices' fp32 partial rows with atomics (run-to-run bits may "
+                "differ) and torch.use_deterministic_algorithms(True) is set; use schedule='row'"
+            )
         schedule = "fused" if workspace is not None else "row"
     if schedule is None:  # a TwELL option asks for the row schedule
         schedule = "row" if M <= DECODE_MAX_TOKENS or twell_options else "csr"
@@ -424,17 +419,22 @@ def twell_ffn_inference(
         y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace)
         stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
     elif schedule == "csr":
-        for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}={value} is a TwELL option of schedule='row'; leave it out for 'csr'"
-                )
+        _reject_twell_options("csr", slots, tile_n, split)
         y, stats = _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats)
     else:
         if hot_prefix and x.shape[0] > DECODE_MAX_TOKENS:
             raise ValueError(f"hot_prefix={hot_prefix} needs schedule='csr' (or None), not 'row'")
         y, stats = _row_schedule(x, w_gate, w_up, w_down, slots, tile_n, split, hot_units, return_stats)
     return (y, stats) if return_stats else y
+
+
+def _reject_twell_options(schedule: str, slots, tile_n, split) -> None:
+    """The row schedule's TwELL options mean nothing to `schedule`: a ValueError naming the one given."""
+    for name, value in (("slots", slots), ("tile_n", tile_n), ("split", split)):
+        if value is not None:
+            raise ValueError(
+                f"{name}={value} is a TwELL option of schedule='row'; leave it out for '{schedule}'"
+            )
 
 
 def unit_order(fires: torch.Tensor) -> torch.Tensor:

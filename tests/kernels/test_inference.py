@@ -338,7 +338,7 @@ def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisone
     """Silent, fully dense and heavy-tailed rows and a tile where every unit fires: no slots, so
     nothing overflows and every positive must reach y (y is poisoned: an unwritten element fails)."""
     if loads == "ptr":
-        monkeypatch.setattr(decode_fused, "use_tma", lambda x, w: False)
+        monkeypatch.setattr(decode_fused, "tma_ready", lambda *tensors: False)
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = (t.to(DEVICE) for t in _hard_inputs(M, D, F, dtype, seed))
     y, stats = twell_ffn_inference(x, wg, wu, wd, schedule="fused", return_stats=True)

@@ -28,8 +28,8 @@ from .gate import _gate_tile_tma, gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
-# The fp32 workspace holds this many rows (a 64-row gate tile at most: the batch is one tile).
-FUSED_MAX_TOKENS = 64
+# The last program's [M, d_model] read of y32 stays in registers (the default bound: DEFAULT_FUSED_TOKENS).
+FUSED_MAX_TOKENS = 8
 
 
 @triton.jit
@@ -44,6 +44,7 @@ def _fused_decode_kernel(
     ticket_ptr,
     M,
     F,
+    T,
     M_BUCKET,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,9 +52,7 @@ def _fused_decode_kernel(
     M_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_DN: tl.constexpr,
     CH: tl.constexpr,
-    WALK: tl.constexpr,
     TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -70,90 +69,48 @@ def _fused_decode_kernel(
         pre = gate_tile_preact(
             x_src, w_src, rows, cols, M, F, D, BLOCK_M, TILE_N, BLOCK_K, DOT_FP32, PRECISION
         )
-    row_ok = rows < M
-    live_tile = (pre > 0) & (cols[None, :] < F) & row_ok[:, None]
+    live_tile = (pre > 0) & (cols[None, :] < F) & (rows[:, None] < M)
     # Gate values rounded to x's dtype, as the TwELL format stores them (both schedules agree).
     g = tl.where(live_tile, pre, 0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-    live_i = live_tile.to(tl.int32)
-    union = tl.sum(live_i, axis=0) > 0  # [TILE_N]: units live for any token
-    if WALK == 1:
-        # Three small GEMMs on the slice: u = x w_up[slice]^T, h = g u, y += h w_down[slice]. The
-        # weight loads are masked to the live units, so a dead unit's rows are never fetched, and the
-        # K and D loops are software-pipelined (no serial chain of gathers, no cross-warp reductions
-        # per token as in the chunk walk: NOTES round 17).
-        if tl.sum(union.to(tl.int32), axis=0) > 0:
-            tok_live = (tl.sum(live_i, axis=1) > 0) & row_ok  # [BLOCK_M]: tokens this slice adds to
-            ks = tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + tl.minimum(rows, M - 1)[:, None].to(tl.int64) * D + ks[None, :]
-            u_ptrs = wu_ptr + cols[None, :].to(tl.int64) * D + ks[:, None]  # [BLOCK_K, TILE_N]
-            u = tl.zeros((BLOCK_M, TILE_N), dtype=tl.float32)
-            for _ in range(0, D, BLOCK_K):
-                a = tl.load(x_ptrs)
-                b = tl.load(u_ptrs, mask=union[None, :], other=0.0)
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                u = tl.dot(a, b, u, input_precision=PRECISION)
-                x_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
-            # h rounded to x's dtype as the dense FFN's product is (reference.relu_ffn); 0 where silent
-            h = (g * u.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
-            if DOT_FP32:
-                h = h.to(tl.float32)
-            dn = tl.arange(0, BLOCK_DN)
-            d_ptrs = wd_ptr + cols[:, None].to(tl.int64) * D + dn[None, :]  # [TILE_N, BLOCK_DN]
-            y_ptrs = y32_ptr + rows[:, None] * D + dn[None, :]
-            for n0 in range(0, D, BLOCK_DN):
-                n_ok = (n0 + dn) < D
-                wd = tl.load(d_ptrs, mask=union[:, None] & n_ok[None, :], other=0.0)
-                if DOT_FP32:
-                    wd = wd.to(tl.float32)
-                part = tl.dot(h, wd, input_precision=PRECISION)  # [BLOCK_M, BLOCK_DN]
-                tl.atomic_add(y_ptrs, part, mask=tok_live[:, None] & n_ok[None, :], sem="relaxed")
-                d_ptrs += BLOCK_DN
-                y_ptrs += BLOCK_DN
-    else:
-        ds = tl.arange(0, BLOCK_D)
-        d_ok = ds < D
-        lanes = tl.arange(0, CH)
-        # The units live for any token, CH per chunk: their weight rows are loaded once (one round
-        # trip) and every token that uses one of them adds its row from registers.
-        ms = tl.arange(0, M_PAD)
-        m_ok = ms < M
-        union_i = union.to(tl.int32)
-        n_u = tl.sum(union_i, axis=0)
-        if n_u > 0:
-            rank = tl.cumsum(union_i, axis=0) - 1
-            xs = tl.load(x_ptr + ms[:, None] * D + ds[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            for c0 in range(0, n_u if DYNAMIC_LOOPS else TILE_N, CH):  # (interpreter: every lane, masked)
-                sel = union[None, :] & (rank[None, :] == (c0 + lanes)[:, None])  # [CH, TILE_N]
-                unit = tile * TILE_N + tl.sum(tl.where(sel, js[None, :], 0), axis=1)
-                ok = (c0 + lanes) < n_u
-                w_off = unit.to(tl.int64)[:, None] * D + ds[None, :]
-                both = ok[:, None] & d_ok[None, :]
-                wu = tl.load(wu_ptr + w_off, mask=both, other=0.0).to(tl.float32)
-                wd = tl.load(wd_ptr + w_off, mask=both, other=0.0).to(tl.float32)
-                for m in range(M if DYNAMIC_LOOPS else M_PAD):
-                    g_m = tl.sum(tl.where(rows[:, None] == m, g, 0.0), axis=0)  # [TILE_N]
-                    gate = tl.sum(tl.where(sel, g_m[None, :], 0.0), axis=1)  # [CH]: 0 where m is silent
-                    if tl.sum((gate > 0).to(tl.int32), axis=0) > 0:
-                        x_m = tl.sum(tl.where(ms[:, None] == m, xs, 0.0), axis=0).to(tl.float32)
-                        hm = gate * tl.sum(wu * x_m[None, :], axis=1)
-                        contrib = tl.sum(hm[:, None] * wd, axis=0)
-                        tl.atomic_add(y32_ptr + m * D + ds, contrib, mask=d_ok, sem="relaxed")
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < D
+    lanes = tl.arange(0, CH)
+    # The units live for any token, CH per chunk: their weight rows are loaded once (one round
+    # trip; measured 1-2.6 us a layer faster at 2-8 tokens than a walk token by token, NOTES round 16)
+    # and every token that uses one of them adds its row from registers.
+    ms = tl.arange(0, M_PAD)
+    m_ok = ms < M
+    union = (tl.sum(live_tile.to(tl.int32), axis=0) > 0).to(tl.int32)  # [TILE_N]
+    n_u = tl.sum(union, axis=0)
+    if n_u > 0:
+        rank = tl.cumsum(union, axis=0) - 1
+        xs = tl.load(x_ptr + ms[:, None] * D + ds[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        for c0 in range(0, n_u if DYNAMIC_LOOPS else TILE_N, CH):  # (interpreter: every lane, masked)
+            sel = (union[None, :] > 0) & (rank[None, :] == (c0 + lanes)[:, None])  # [CH, TILE_N]
+            unit = tile * TILE_N + tl.sum(tl.where(sel, js[None, :], 0), axis=1)
+            ok = (c0 + lanes) < n_u
+            w_off = unit.to(tl.int64)[:, None] * D + ds[None, :]
+            both = ok[:, None] & d_ok[None, :]
+            wu = tl.load(wu_ptr + w_off, mask=both, other=0.0).to(tl.float32)
+            wd = tl.load(wd_ptr + w_off, mask=both, other=0.0).to(tl.float32)
+            for m in range(M if DYNAMIC_LOOPS else M_PAD):
+                g_m = tl.sum(tl.where(rows[:, None] == m, g, 0.0), axis=0)  # [TILE_N]
+                gate = tl.sum(tl.where(sel, g_m[None, :], 0.0), axis=1)  # [CH]: 0 where m is silent
+                if tl.sum((gate > 0).to(tl.int32), axis=0) > 0:
+                    x_m = tl.sum(tl.where(ms[:, None] == m, xs, 0.0), axis=0).to(tl.float32)
+                    h = gate * tl.sum(wu * x_m[None, :], axis=1)
+                    contrib = tl.sum(h[:, None] * wd, axis=0)
+                    tl.atomic_add(y32_ptr + m * D + ds, contrib, mask=d_ok, sem="relaxed")
     # Every thread's atomics are ordered before thread 0's release of the ticket (bar.sync, then the
     # acq_rel atomic): the program that draws the last ticket sees every slice's contribution.
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:
-        dn = tl.arange(0, BLOCK_DN)
-        both = row_ok[:, None]
-        for n0 in range(0, D, BLOCK_DN):
-            off = rows[:, None] * D + (n0 + dn)[None, :]
-            ok = both & ((n0 + dn) < D)[None, :]
-            y = tl.load(y32_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")  # L2, where atomics land
-            tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.store(y32_ptr + off, tl.zeros((BLOCK_M, BLOCK_DN), dtype=tl.float32), mask=ok)
+    if ticket == T - 1:
+        off = ms[:, None] * D + ds[None, :]
+        both = m_ok[:, None] & d_ok[None, :]
+        y = tl.load(y32_ptr + off, mask=both, other=0.0, cache_modifier=".cg")  # L2, where atomics land
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=both)
+        tl.store(y32_ptr + off, tl.zeros((M_PAD, BLOCK_D), dtype=tl.float32), mask=both)
         tl.atomic_xchg(ticket_ptr, 0)  # ready for the next call on this stream
 
 
@@ -164,39 +121,17 @@ def _set_desc_blocks(nargs):
         nargs["w_src"].block_shape = [nargs["TILE_N"], nargs["BLOCK_K"]]
 
 
-def _fused_configs(walk: int) -> list[triton.Config]:
-    # The decode gate's pipelines (deep, wide K steps for the GEMV). Dot walk: slice width (32: twice the
-    # programs, half the rows each) and the down product's column block; chunk walk: CH rows a gather.
-    if walk == 1:
-        table = [
-            dict(TILE_N=t, BLOCK_DN=dn, CH=1, num_warps=w, num_stages=s)
-            for t in (64, 32)
-            for dn, w, s in ((128, 4, 4), (256, 4, 4), (128, 8, 4), (128, 4, 6), (128, 4, 3))
-        ]
-    else:
-        table = [
-            dict(TILE_N=64, BLOCK_DN=128, CH=ch, num_warps=w, num_stages=s)
-            for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8))
-        ]
+def _fused_configs() -> list[triton.Config]:
+    # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH weight rows per gather.
     return [
-        triton.Config(
-            {k: v for k, v in c.items() if not k.startswith("num_")},
-            num_warps=c["num_warps"],
-            num_stages=c["num_stages"],
-            pre_hook=_set_desc_blocks,
-        )
-        for c in table
+        triton.Config({"CH": ch}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
+        for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8))
     ]
 
 
-_TUNE_KEY = ["M_BUCKET", "F", "D", "BLOCK_K", "TMA", "WALK"]
-_tuned_fused = {
-    walk: triton.autotune(configs=_fused_configs(walk), key=_TUNE_KEY)(_fused_decode_kernel)
-    for walk in (0, 1)
-}
-# The union chunk walk (round 16) against the dot walk (round 17) for one H200 comparison; "dot" default.
-FUSED_WALK = "dot"
-CHUNK_WALK_MAX_TOKENS = 8  # the chunk walk holds x of every token in registers
+_tuned_fused = triton.autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA"])(
+    _fused_decode_kernel
+)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -226,35 +161,30 @@ def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
     M, D = x.shape
     F = w_gate.shape[0]
     ticket, y32 = workspace
-    walk = 1 if FUSED_WALK == "dot" or M > CHUNK_WALK_MAX_TOKENS else 0
+    T = triton.cdiv(F, FUSED_TILE_N)
     tma = tma_ready(x, w_gate)  # TMA loads for the gate GEMV (Hopper+, aligned), else pointer loads
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
-    block_m = max(GATE_BLOCK_M, next_pow2(M))  # the batch is one row tile of the gate GEMV
     if tma:
-        x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        x_src = TensorDescriptor.from_tensor(x, [GATE_BLOCK_M, block_k])
         w_src = TensorDescriptor.from_tensor(w_gate, [FUSED_TILE_N, block_k])
     else:
         x_src, w_src = x, w_gate
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    args = (x_src, w_src, x, w_up, w_down, y, y32, ticket, M, F, next_pow2(M))
+    args = (x_src, w_src, x, w_up, w_down, y, y32, ticket, M, F, T, next_pow2(M))
     common = dict(
         D=D,
         BLOCK_D=next_pow2(D),
-        BLOCK_M=block_m,
-        M_PAD=next_pow2(min(M, CHUNK_WALK_MAX_TOKENS)),
+        BLOCK_M=GATE_BLOCK_M,
+        M_PAD=next_pow2(M),
+        TILE_N=FUSED_TILE_N,
         BLOCK_K=block_k,
-        WALK=walk,
         TMA=tma,
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
     )
     if interpreting():
-        grid = (triton.cdiv(F, FUSED_TILE_N),)
-        _fused_decode_kernel[grid](
-            *args, TILE_N=FUSED_TILE_N, BLOCK_DN=64, CH=4, DYNAMIC_LOOPS=False, **common
-        )
+        _fused_decode_kernel[(T,)](*args, CH=4, DYNAMIC_LOOPS=False, **common)
     else:
-        grid = lambda meta: (triton.cdiv(F, meta["TILE_N"]),)  # noqa: E731
-        _tuned_fused[walk][grid](*args, DYNAMIC_LOOPS=True, **common)
+        _tuned_fused[(T,)](*args, DYNAMIC_LOOPS=True, **common)
     return y

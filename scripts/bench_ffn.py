@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import decode_fused, twell_ffn_inference, twell_gate  # noqa: E402
+from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import (  # noqa: E402
     DECODE_MAX_TOKENS,
@@ -192,11 +192,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
             if M <= FUSED_MAX_TOKENS and not args.no_fused:
-                variants += [
-                    dict(schedule="fused", walk=w)
-                    for w in args.fused_walks
-                    if w == "dot" or M <= decode_fused.CHUNK_WALK_MAX_TOKENS
-                ]
+                variants.append(dict(schedule="fused"))
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
@@ -207,9 +203,6 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
         rows = []
         for kw in variants:
-            kw = dict(kw)
-            walk = kw.pop("walk", None)
-            decode_fused.FUSED_WALK = walk or "dot"  # the walk every call of this variant takes
             K = kw.get("hot_units", 0)
             P = kw.get("hot_prefix", 0)
             wts = permuted[1] if P else (w_gate, w_up, w_down)
@@ -247,7 +240,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             elif kw.get("schedule") == "fused":
-                name = "fused" if len(args.fused_walks) == 1 else f"fused-{walk}"
+                name = "fused"
             elif "split" in kw:  # "s16": split 16 given
                 name = f"s{kw['split']}"
             else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
@@ -354,14 +347,6 @@ def main(argv=None):
         "--no-fused",
         action="store_true",
         help=f"M <= {FUSED_MAX_TOKENS}: leave out schedule='fused' (the whole FFN in one kernel)",
-    )
-    p.add_argument(
-        "--fused-walks",
-        nargs="*",
-        choices=["dot", "chunk"],
-        default=["dot"],
-        help="schedule='fused': the slice's masked-load GEMMs (dot, the default) and/or round 16's union "
-        "chunk walk (at most 8 tokens)",
     )
     p.add_argument(
         "--graph-layers",

@@ -332,9 +332,6 @@ def _workspace_is_clean(x) -> bool:
         (3, 128, 320, torch.bfloat16),
         (8, 64, 192, torch.float32),
         (5, 192, 256, torch.float32),
-        (17, 64, 128, torch.bfloat16),
-        (37, 128, 192, torch.float32),
-        (64, 64, 128, torch.bfloat16),
     ],
 )
 def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisoned_empty, monkeypatch):
@@ -383,8 +380,8 @@ def test_fused_all_silent_batch_gives_zeros():
 
 
 def test_fused_rejects_what_it_cannot_take():
-    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(65, 64, 128, seed=1))
-    with pytest.raises(ValueError, match="schedule='fused' takes at most 64 tokens, got 65"):
+    x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(9, 64, 128, seed=1))
+    with pytest.raises(ValueError, match="schedule='fused' takes at most 8 tokens, got 9"):
         twell_ffn_inference(x, wg, wu, wd, schedule="fused")
     with pytest.raises(ValueError, match="slots=8 is a TwELL option of schedule='row'"):
         twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", slots=8)
@@ -421,7 +418,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 16, 64])
+@pytest.mark.parametrize("M", [1, 4, 8])
 def test_fused_replays_in_a_cuda_graph(M):
     """Warmed up on the capture stream (its workspace exists): the graph holds the fused kernel, and
     every replay on new inputs is exact and matches an eager call (up to the fp32 sum's order). A
@@ -459,7 +456,7 @@ def test_fused_replays_in_a_cuda_graph(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 2, 8, 33, 64])
+@pytest.mark.parametrize("M", [1, 2, 8])
 def test_fused_at_paper_shapes(M):
     """d 2048, d_ff 5632 and 8192 (88 / 128 programs), paper-like rows plus a fully dense one."""
     from kernels.synthetic import make_rows_dense

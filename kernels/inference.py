@@ -1,7 +1,7 @@
 """TwELL inference FFN: y = sum_j relu(g_j) * (x . w_up[j]) * w_down[j], no autograd, no host sync.
 
 Three schedules (`schedule=`; the default picks by batch size):
-- "fused" (1-2 tokens by default, at most FUSED_MAX_TOKENS): the whole FFN in one kernel
+- "fused" (1-2 tokens by default, 1-4 from d_ff 8192; at most FUSED_MAX_TOKENS): the whole FFN in one kernel
   (kernels/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
   format in memory and no second launch; y's last bit may vary run to run (the row schedule under
   torch.use_deterministic_algorithms(True)).
@@ -53,9 +53,18 @@ from .train_rowfwd import row_ffn_inference
 # op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
 # at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above; "fused"
 # (kernels/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
-# DEFAULT_FUSED_TOKENS.
+# default_fused_tokens(d_ff).
 SCHEDULES = ("row", "csr", "fused")
 DEFAULT_FUSED_TOKENS = 2  # H200, per layer in an 8-layer graph: NOTES.md round 16
+# From this d_ff the fused kernel also wins at 4 tokens (H200, two nodes: 19.4 / 19.5 us a layer against
+# the row schedule's 21.2 / 21.2 at d_ff 8192; at 5632 the row schedule wins: NOTES.md rounds 16-17).
+WIDE_FUSED_D_FF = 8192
+WIDE_FUSED_TOKENS = 4
+
+
+def default_fused_tokens(d_ff: int) -> int:
+    """Up to how many tokens the default call takes the fused kernel at this d_ff."""
+    return WIDE_FUSED_TOKENS if d_ff >= WIDE_FUSED_D_FF else DEFAULT_FUSED_TOKENS
 
 
 class InferenceStats(NamedTuple):
@@ -363,7 +372,7 @@ def twell_ffn_inference(
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
 
-    schedule: "row", "csr" or "fused" (see the module doc; None: fused up to DEFAULT_FUSED_TOKENS
+    schedule: "row", "csr" or "fused" (see the module doc; None: fused up to default_fused_tokens(d_ff)
     tokens, row at the other decode sizes or when a TwELL option below is given, csr otherwise; fused
     takes at most FUSED_MAX_TOKENS tokens and no TwELL option, and ignores the hot-unit ones).
     slots / tile_n: TwELL format of the row schedule (see kernels.gate); split: programs per row of its
@@ -393,7 +402,9 @@ def twell_ffn_inference(
     M = x.shape[0]
     twell_options = slots is not None or tile_n is not None or split is not None
     workspace = None
-    if schedule == "fused" or (schedule is None and not twell_options and M <= DEFAULT_FUSED_TOKENS):
+    if schedule == "fused" or (
+        schedule is None and not twell_options and M <= default_fused_tokens(w_gate.shape[0])
+    ):
         if M > FUSED_MAX_TOKENS:
             raise ValueError(
                 f"schedule='fused' takes at most {FUSED_MAX_TOKENS} tokens, got {M}; use 'row' or None"

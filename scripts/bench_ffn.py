@@ -39,11 +39,11 @@ from kernels.inference import (  # noqa: E402
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,
     DECODE_TILE_N,
-    DEFAULT_FUSED_TOKENS,
     FUSED_MAX_TOKENS,
     SCHEDULES,
     _hot_part,
     decode_split,
+    default_fused_tokens,
     unit_order,
 )
 from kernels.prefix import gated_up  # noqa: E402
@@ -244,7 +244,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             elif "split" in kw:  # "s16": split 16 given
                 name = f"s{kw['split']}"
             else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
-                name = "d-fused" if M <= DEFAULT_FUSED_TOKENS else f"d{decode_split(M)}"
+                name = "d-fused" if M <= default_fused_tokens(F) else f"d{decode_split(M)}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
                 kernels, wall = kernel_times(lambda kw=kw, w=wts: twell_ffn_inference(x, *w, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)

@@ -417,6 +417,25 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
         torch.use_deterministic_algorithms(was)
 
 
+def test_default_fused_bound_grows_with_d_ff(monkeypatch):
+    """From WIDE_FUSED_D_FF units the default call takes the fused kernel up to WIDE_FUSED_TOKENS tokens
+    (measured on the H200: d_ff 8192 at 4 tokens), below it up to DEFAULT_FUSED_TOKENS."""
+    from kernels import inference
+
+    assert inference.default_fused_tokens(5632) == 2 and inference.default_fused_tokens(8192) == 4
+    monkeypatch.setattr(inference, "WIDE_FUSED_D_FF", 256)  # the rule at CPU-test widths
+    calls = []
+    real = inference.fused_ffn_decode
+    monkeypatch.setattr(inference, "fused_ffn_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for F in (192, 256):
+        x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(5, 64, F, dtype=torch.bfloat16, seed=F))
+        for M in (2, 3, 4, 5):
+            y = twell_ffn_inference(x[:M], wg, wu, wd)
+            err, _ = _row_errors(y, x[:M], wg, wu, wd)
+            assert err.max() < ROW_TOL[torch.bfloat16], f"d_ff {F}, {M} tokens: {float(err.max()):.3g}"
+    assert calls == [2, 2, 3, 4]  # d_ff 192: fused at 2 tokens only; 256: up to 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_fused_replays_in_a_cuda_graph(M):

@@ -389,6 +389,16 @@ def test_fused_rejects_what_it_cannot_take():
         twell_ffn_inference(x[:2], wg, wu, wd, schedule="fused", hot_units=-1)
 
 
+def _count_fused_calls(monkeypatch) -> list[int]:
+    """The token counts of the calls that reach the fused kernel from here on (they still run)."""
+    from kernels import inference
+
+    calls = []
+    real = inference.fused_ffn_decode
+    monkeypatch.setattr(inference, "fused_ffn_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    return calls
+
+
 def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
     """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel; past it, with a TwELL
     option, or under torch.use_deterministic_algorithms(True) the row schedule (and an explicit
@@ -397,9 +407,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
 
     monkeypatch.setattr(inference, "DEFAULT_FUSED_TOKENS", 2)
     x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(3, 64, 192, dtype=torch.bfloat16, seed=5))
-    calls = []
-    real = inference.fused_ffn_decode
-    monkeypatch.setattr(inference, "fused_ffn_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = _count_fused_calls(monkeypatch)
     y2 = twell_ffn_inference(x[:2], wg, wu, wd)
     twell_ffn_inference(x, wg, wu, wd)
     twell_ffn_inference(x[:2], wg, wu, wd, slots=8)
@@ -424,9 +432,7 @@ def test_default_fused_bound_grows_with_d_ff(monkeypatch):
 
     assert inference.default_fused_tokens(5632) == 2 and inference.default_fused_tokens(8192) == 4
     monkeypatch.setattr(inference, "WIDE_FUSED_D_FF", 256)  # the rule at CPU-test widths
-    calls = []
-    real = inference.fused_ffn_decode
-    monkeypatch.setattr(inference, "fused_ffn_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = _count_fused_calls(monkeypatch)
     for F in (192, 256):
         x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(5, 64, F, dtype=torch.bfloat16, seed=F))
         for M in (2, 3, 4, 5):

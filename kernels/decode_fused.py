@@ -37,17 +37,6 @@ GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's sm
 # The last program's [M, d_model] read of y32 stays in registers (the default call stops earlier:
 # kernels.inference.default_fused_tokens).
 FUSED_MAX_TOKENS = 8
-# How a program walks its live units for the batch's tokens: 1 token after token (per token: its
-# gates, one dot over d_model, one atomic row), 2 all tokens at once ([units, tokens] gates and dots in
-# one reduction each, then every token's row).
-FUSED_WALKS = (1, 2)
-_settings = {"walk": 1}
-
-
-def set_fused_walk(walk: int) -> None:
-    if walk not in FUSED_WALKS:
-        raise ValueError(f"fused walk {walk!r} is unknown; choose one of {FUSED_WALKS}")
-    _settings["walk"] = walk
 
 
 @triton.jit
@@ -75,7 +64,6 @@ def _fused_decode_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     DYNAMIC_LOOPS: tl.constexpr,
-    WALK: tl.constexpr,
 ):
     # x_src / w_src: TMA descriptors of x and w_gate when TMA, else the pointers. M_BUCKET keys tuning.
     tile = tl.program_id(0)
@@ -101,12 +89,9 @@ def _fused_decode_kernel(
     m_ok = ms < M
     union = (tl.sum(live_tile.to(tl.int32), axis=0) > 0).to(tl.int32)  # [TILE_N]
     n_u = tl.sum(union, axis=0)
-    if n_u > 0 and WALK > 0:
+    if n_u > 0:
         rank = tl.cumsum(union, axis=0) - 1
         xs = tl.load(x_ptr + ms[:, None] * D + ds[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        if WALK == 2:  # the tokens' gates by slice unit, once: [M_PAD, TILE_N]
-            g_tok = tl.sum(tl.where(rows[None, :, None] == ms[:, None, None], g[None, :, :], 0.0), axis=1)
-            xf = xs.to(tl.float32)
         for c0 in range(0, n_u if DYNAMIC_LOOPS else TILE_N, CH):  # (interpreter: every lane, masked)
             sel = (union[None, :] > 0) & (rank[None, :] == (c0 + lanes)[:, None])  # [CH, TILE_N]
             unit = tile * TILE_N + tl.sum(tl.where(sel, js[None, :], 0), axis=1)
@@ -115,27 +100,14 @@ def _fused_decode_kernel(
             both = ok[:, None] & d_ok[None, :]
             wu = tl.load(wu_ptr + w_off, mask=both, other=0.0).to(tl.float32)
             wd = tl.load(wd_ptr + w_off, mask=both, other=0.0).to(tl.float32)
-            if WALK == 2:
-                # Every token at once: gates [CH, M_PAD], up products [CH, M_PAD] in one reduction over
-                # d_model, the tokens' partial rows [M_PAD, d_model] in one sum over the chunk, one
-                # atomic row per token that uses any of the chunk's units.
-                gates = tl.sum(tl.where(sel[:, None, :], g_tok[None, :, :], 0.0), axis=2)
-                h = gates * tl.sum(wu[:, None, :] * xf[None, :, :], axis=2)
-                contrib = tl.sum(h[:, :, None] * wd[:, None, :], axis=0)
-                uses = (tl.sum((gates > 0).to(tl.int32), axis=0) > 0) & m_ok
-                tl.atomic_add(
-                    y32_ptr + ms[:, None] * D + ds[None, :], contrib, mask=uses[:, None] & d_ok[None, :],
-                    sem="relaxed",
-                )  # fmt: skip
-            else:
-                for m in range(M if DYNAMIC_LOOPS else M_PAD):
-                    g_m = tl.sum(tl.where(rows[:, None] == m, g, 0.0), axis=0)  # [TILE_N]
-                    gate = tl.sum(tl.where(sel, g_m[None, :], 0.0), axis=1)  # [CH]: 0 where m is silent
-                    if tl.sum((gate > 0).to(tl.int32), axis=0) > 0:
-                        x_m = tl.sum(tl.where(ms[:, None] == m, xs, 0.0), axis=0).to(tl.float32)
-                        h = gate * tl.sum(wu * x_m[None, :], axis=1)
-                        contrib = tl.sum(h[:, None] * wd, axis=0)
-                        tl.atomic_add(y32_ptr + m * D + ds, contrib, mask=d_ok, sem="relaxed")
+            for m in range(M if DYNAMIC_LOOPS else M_PAD):
+                g_m = tl.sum(tl.where(rows[:, None] == m, g, 0.0), axis=0)  # [TILE_N]
+                gate = tl.sum(tl.where(sel, g_m[None, :], 0.0), axis=1)  # [CH]: 0 where m is silent
+                if tl.sum((gate > 0).to(tl.int32), axis=0) > 0:
+                    x_m = tl.sum(tl.where(ms[:, None] == m, xs, 0.0), axis=0).to(tl.float32)
+                    h = gate * tl.sum(wu * x_m[None, :], axis=1)
+                    contrib = tl.sum(h[:, None] * wd, axis=0)
+                    tl.atomic_add(y32_ptr + m * D + ds, contrib, mask=d_ok, sem="relaxed")
     # Every thread's atomics are ordered before thread 0's release of the ticket (bar.sync, then the
     # acq_rel atomic): the program that draws the last ticket sees every slice's contribution.
     tl.debug_barrier()
@@ -160,13 +132,13 @@ def _fused_configs() -> list[triton.Config]:
     # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH weight rows per gather.
     return [
         triton.Config({"CH": ch}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
-        for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8), (8, 4, 2))
+        for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8))
     ]
 
 
-_tuned_fused = triton.autotune(
-    configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA", "WALK"]
-)(_fused_decode_kernel)
+_tuned_fused = triton.autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA"])(
+    _fused_decode_kernel
+)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -188,10 +160,9 @@ def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.T
     return ws
 
 
-def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, walk: int | None = None) -> torch.Tensor:
+def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
     """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks, the token bound included, are
-    the caller's; `workspace` from fused_workspace). walk: 1 token by token, 2 all tokens at once, None
-    the module's choice; 0 skips the units (y = 0: the gate-only floor for benchmarks)."""
+    the caller's; `workspace` from fused_workspace)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
@@ -219,7 +190,6 @@ def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, walk: int | None = None
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
     )
-    common["WALK"] = _settings["walk"] if walk is None else walk
     if interpreting():
         _fused_decode_kernel[(T,)](*args, CH=4, DYNAMIC_LOOPS=False, **common)
     else:

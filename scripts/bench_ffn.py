@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import decode_fused, twell_ffn_inference, twell_gate  # noqa: E402
+from kernels import twell_ffn_inference, twell_gate  # noqa: E402
 from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
 from kernels.inference import (  # noqa: E402
     DECODE_MAX_TOKENS,
@@ -153,23 +153,6 @@ def calibrated_order(cal: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
     return unit_order(count_fires(relu_gate_bits(cal, w_gate)[1]))  # the kernels' own positives
 
 
-def run_variant(x, wts, kw, **extra):
-    """twell_ffn_inference(x, *wts, **kw, **extra); kw["walk"] (fused only) picks the fused kernel's walk
-    for this call, 0 its gate-only floor (the kernel without its units: y = 0, a diagnostic)."""
-    walk = kw.get("walk")
-    if walk is None:
-        return twell_ffn_inference(x, *wts, **kw, **extra)
-    if walk == 0:
-        y = decode_fused.fused_ffn_decode(x, *wts, decode_fused.fused_workspace(x.device, x.shape[1]), walk=0)
-        return (y, twell_ffn_inference(x, *wts, return_stats=True)[1]) if extra.get("return_stats") else y
-    outer = decode_fused._settings["walk"]
-    decode_fused.set_fused_walk(walk)
-    try:
-        return twell_ffn_inference(x, *wts, schedule="fused", **extra)
-    finally:
-        decode_fused.set_fused_walk(outer)
-
-
 def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=None) -> list[dict]:
     """calibration: rows [C, D] of x's distribution (not timed) ordering the units for the hot-prefix
     variants (None: x itself, in-sample)."""
@@ -209,9 +192,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         if M <= DECODE_MAX_TOKENS:
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
             if M <= FUSED_MAX_TOKENS and not args.no_fused:
-                variants += [dict(schedule="fused", walk=w) for w in args.fused_walks] or [
-                    dict(schedule="fused")
-                ]
+                variants.append(dict(schedule="fused"))
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
@@ -244,26 +225,28 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                 del hot
             if kw.get("schedule") == "csr":  # its gate: the relu + bitmask GEMM alone
                 hot_gate_ms = timed(lambda: relu_gate_bits(x, w_gate), graph, args.rep)
-            y, stats = run_variant(x, wts, kw, return_stats=True)
+            y, stats = twell_ffn_inference(x, *wts, return_stats=True, **kw)
             err = row_errors(y, x, *wts)
             del y
-            ms = timed(lambda kw=kw, w=wts: run_variant(pick(), w, kw), graph, args.rep)
+            ms = timed(lambda kw=kw, w=wts: twell_ffn_inference(pick(), *w, **kw), graph, args.rep)
             sparse_ms = max(ms - (hot_gate_ms or gate_ms) - (hot_mm_ms or 0.0), 1e-6)
             layer_ms = None
             if layers:
-                layer_ms = timed_layers(lambda i, kw=kw: run_variant(x, layers[i], kw), len(layers), args.rep)
+                layer_ms = timed_layers(
+                    lambda i, kw=kw: twell_ffn_inference(x, *layers[i], **kw), len(layers), args.rep
+                )
             if P:
                 name = f"csr-p{P}"
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             elif kw.get("schedule") == "fused":
-                name = {None: "fused", 0: "floor"}.get(kw.get("walk"), f"fused-w{kw.get('walk')}")
+                name = "fused"
             elif "split" in kw:  # "s16": split 16 given
                 name = f"s{kw['split']}"
             else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
                 name = "d-fused" if M <= default_fused_tokens(F) else f"d{decode_split(M)}"
             if args.profile:  # one eager call: per-kernel GPU times (no graph, so launch gaps are not shown)
-                kernels, wall = kernel_times(lambda kw=kw, w=wts: run_variant(x, w, kw))
+                kernels, wall = kernel_times(lambda kw=kw, w=wts: twell_ffn_inference(x, *w, **kw))
                 print_kernel_times(f"tokens {M}, d_ff {F}, {name}", kernels, wall)
                 profiles.append(dict(tokens=M, d_ff=F, variant=name, wall_ms=wall, kernels=kernels))
             rows.append(
@@ -366,14 +349,6 @@ def main(argv=None):
         help=f"M <= {FUSED_MAX_TOKENS}: leave out schedule='fused' (the whole FFN in one kernel)",
     )
     p.add_argument(
-        "--fused-walks",
-        type=int,
-        nargs="*",
-        default=[],
-        help="M <= 8: the fused kernel with each walk (kernels.decode_fused.FUSED_WALKS; 0: its gate-only "
-        "floor, y = 0) instead of the module's walk",
-    )
-    p.add_argument(
         "--graph-layers",
         type=int,
         default=8,
@@ -422,8 +397,6 @@ def main(argv=None):
                     rows += new
                     del inputs
                     torch.cuda.empty_cache()
-    for key, config in getattr(decode_fused._tuned_fused, "cache", {}).items():  # the autotuner's picks
-        print(f"fused kernel, key {key}: {config}")
     write_results(args.out, rows, profiles=profiles if args.mode == "inference" and args.profile else None)
 
 

@@ -97,16 +97,20 @@ def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
     K_HOT, M_BUCKET, cap, long_count_ptr, long_list_ptr, long_slot_ptr, HOT: tl.constexpr, ROWS: tl.constexpr,
     W_PAD: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr, WRITE_ROWS: tl.constexpr, LONG_ROW: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows x all W = F / 32 words per program. Never touches a zero of h: positives leave one per
     word and iteration (lowest set bit: column = popcount(lsb - 1)), so the loop runs
     max-popcount-per-word times (a few at 0.5% density, 32 on a dense row: slower, still exact);
     h is read as a 2-byte gather per positive. Slots at or past the row's end or `cap` (the entry
     arrays' size) are not written. M_BUCKET only keys autotuning. Rows with more than LONG_ROW entries
-    by row_ptr are appended to the long-row list for the row kernels."""
+    by row_ptr are appended to the long-row list for the row kernels. HOT: the program's g_hot rows are
+    zeroed first (the caller's buffer is uninitialised; no separate fill), then its hot positives land."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
+    if HOT:  # zeros here, the hot positives after the barrier below: the later store wins
+        _zero_rows(ghot_ptr, rows, ok, K_HOT, ROWS, K_PAD)
     cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(cold)
     start = tl.load(row_ptr_ptr + rows, mask=ok, other=0)
@@ -127,8 +131,21 @@ def _compact_csr_kernel(
             cold, slot = _emit_entries(
                 cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
             )
-    if HOT:  # hot positives to their g_hot column (g_hot zero-filled by the caller)
+    if HOT:  # hot positives to their g_hot column, over the zeros this program's threads stored
+        tl.debug_barrier()  # bar.sync: every thread's zero stores are ordered before any scatter
         _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
+
+
+@triton.jit
+def _zero_rows(ptr, rows, ok, K, ROWS: tl.constexpr, K_PAD: tl.constexpr):
+    """ptr[rows, :K] = 0 for the rows with ok (a [M, K] row-major buffer; K <= K_PAD), in one store."""
+    ks = tl.arange(0, K_PAD)
+    m = ok[:, None] & (ks < K)[None, :]
+    tl.store(
+        ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+        tl.zeros([ROWS, K_PAD], ptr.dtype.element_ty),
+        mask=m,
+    )
 
 
 @triton.jit
@@ -159,10 +176,11 @@ _tuned_compact_csr = triton.autotune(
 
 def hot_split(fires: torch.Tensor, K: int, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """The batch's K most-firing units (select_hot_units on the per-unit positive counts `fires`) as
-    build_pattern's `hot` argument: (hot_idx int64 [K], (hot_pos, hot_bits, g_hot)), g_hot a zero-filled
-    [M, K] in `like`'s dtype and device (M = like's rows) that the compaction fills with hot positives."""
+    build_pattern's `hot` argument: (hot_idx int64 [K], (hot_pos, hot_bits, g_hot)), g_hot an
+    uninitialised [M, K] in `like`'s dtype and device (M = like's rows) that the compaction writes whole:
+    zeros, then the hot positives."""
     hot_idx, hot_pos, hot_bits = select_hot_units(fires, K)
-    g_hot = torch.zeros(like.shape[0], K, dtype=like.dtype, device=like.device)
+    g_hot = torch.empty(like.shape[0], K, dtype=like.dtype, device=like.device)
     return hot_idx, (hot_pos, hot_bits, g_hot)
 
 
@@ -175,8 +193,9 @@ def build_pattern(
     inference: bool = False,
 ) -> TrainPattern:
     """h [M, F] (relu'd gate values) and its positive bitmask bits int32 [M, F // 32] -> TrainPattern of
-    the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K] zero-filled;
-    kernels.gate.select_hot_units): hot positives are written to g_hot and left out of the CSR.
+    the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K], any contents;
+    kernels.gate.select_hot_units): g_hot is written whole (the hot positives, zeros elsewhere) and the
+    hot positives are left out of the CSR.
     Exact sizes with one host sync, or `capacity` entry slots and no sync (the count comes back in
     `pending`; see the module doc). `static` (with a capacity; CUDA graph capture): nothing is read
     back at all (the caller checks the device totals), and the slots past the entries hold row 0,
@@ -229,6 +248,7 @@ def build_pattern(
             long.slots,
         )  # fmt: skip
         flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference, LONG_ROW=long.limit)
+        flags["K_PAD"] = next_pow2(g_hot.shape[1]) if hot is not None else 1
         if interpreting():
             _compact_csr_kernel[(triton.cdiv(M, 16),)](
                 *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4

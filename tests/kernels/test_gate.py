@@ -120,6 +120,22 @@ def test_gate_format_at_paper_size():
         assert bool(((g.counts - (pre > 0).sum(-1)).abs() <= ambiguous).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [16384, 4099])
+def test_count_fires_at_paper_size(M):
+    """The autotuned count (its first call times every config, each on a zeroed buffer): every unit's
+    count equals the positives of h, at the paper's width, for a whole and a ragged batch, call after
+    call."""
+    from kernels.gate import relu_gate_bits
+
+    x, wg, _, _ = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
+    make_rows_dense(x, [M // 2])
+    h, bits = relu_gate_bits(x, wg)
+    fires = count_fires(bits)
+    assert torch.equal(fires, (h > 0).sum(0, dtype=torch.int32))
+    assert torch.equal(count_fires(bits), fires)
+
+
 @pytest.mark.parametrize("compact", ["bits", "scan"])
 @pytest.mark.parametrize("M,F,K", [(67, 320, 64), (9, 192, 192)])
 def test_hot_gate_splits_columns_exactly(M, F, K, compact, poisoned_empty):

@@ -335,7 +335,7 @@ def test_build_pattern_matches_a_torch_build_over_many_programs(hot):
     split, hot_idx = None, None
     if hot:
         hot_idx, hot_pos, hot_bits = select_hot_units((h > 0).sum(0, dtype=torch.int32).to(DEVICE), hot)
-        g_hot = torch.full((M, hot), float("nan"), device=DEVICE).zero_()  # the caller zero-fills
+        g_hot = torch.full((M, hot), float("nan"), device=DEVICE)  # poisoned: the compaction writes it whole
         split, hot_idx = (hot_pos, hot_bits, g_hot), hot_idx.cpu()
     pat = build_pattern(h.to(DEVICE), bits.to(DEVICE), split)
     row_ptr, rows, cols, gate, row_active, g_hot_ref = _torch_pattern(h, hot_idx)

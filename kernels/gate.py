@@ -999,16 +999,14 @@ _FIRE_GROUP = 31
 
 
 @triton.jit
-def _count_fires_kernel(
-    bits_ptr, fires_ptr, M, W, M_BUCKET, ROWS: tl.constexpr, WB: tl.constexpr, GROUP: tl.constexpr
-):
+def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.constexpr, GROUP: tl.constexpr):
     """fires[c] += positives of column c over this program's ROWS rows, from the positive bitmask
     bits [M, W] (W = F / 32 int32 words, bit c % 32 of word c // 32) that the dense_bits epilogue wrote.
 
     Bit-sliced: per word, GROUP (<= 31) rows are added into five bit planes (a ripple of ANDs and XORs:
     bit b of planes 0-4 is column b's count in binary), ~10 logic operations a word instead of 32
     shift-mask-adds; the 32 counts are extracted once per group. ROWS is a multiple of GROUP. One atomic
-    per column per program. M_BUCKET only keys autotuning."""
+    per column per program."""
     tl.static_assert(GROUP <= 31, "five bit planes count to 31")
     r0 = tl.program_id(0) * ROWS
     ws = tl.program_id(1) * WB + tl.arange(0, WB)
@@ -1044,41 +1042,18 @@ def _count_fires_kernel(
     tl.atomic_add(fires_ptr + cols, acc, mask=w_ok[:, None], sem="relaxed")
 
 
-# (words a program, groups of 31 rows a program, warps): one word a thread. Fewer rows a program mean
-# more programs (latency hidden by occupancy) but more atomics (one per column per program); the
-# best trade depends on M, so it is autotuned per batch size.
-_FIRE_CONFIGS = [
-    (64, 4, 2),
-    (64, 2, 2),
-    (64, 8, 2),
-    (32, 4, 1),
-    (32, 2, 1),
-    (128, 4, 4),
-    (128, 2, 4),
-    (64, 16, 2),
-]
-_tuned_count_fires = triton.autotune(
-    configs=[
-        triton.Config({"WB": wb, "ROWS": _FIRE_GROUP * groups}, num_warps=warps)
-        for wb, groups, warps in _FIRE_CONFIGS
-    ],
-    key=["M_BUCKET", "W"],
-    reset_to_zero=["fires_ptr"],  # each timed run adds its counts again
-)(_count_fires_kernel)
-
-
 def count_fires(bits: torch.Tensor) -> torch.Tensor:
     """int32 [F]: positives per column of the bitmask bits [M, F // 32]."""
     M, W = bits.shape
     fires = torch.zeros(W * 32, dtype=torch.int32, device=bits.device)
-    if interpreting():  # several programs along both axes, partial ones included
-        _count_fires_kernel[(cdiv(M, 2 * _FIRE_GROUP), cdiv(W, 8))](
-            bits, fires, M, W, 0, ROWS=2 * _FIRE_GROUP, WB=8, GROUP=_FIRE_GROUP, num_warps=2
-        )
-    elif M:
-        _tuned_count_fires[lambda meta: (cdiv(M, meta["ROWS"]), cdiv(W, meta["WB"]))](
-            bits, fires, M, W, min(next_pow2(M), 1 << 17), GROUP=_FIRE_GROUP
-        )
+    wb = 8 if interpreting() else 64
+    # Rows per program: whole groups of 31, ~512 programs in all (enough to stream the words at HBM
+    # speed), but no more than 32 groups (the loop over groups is sequential).
+    groups = 2 if interpreting() else max(1, min(32, cdiv(cdiv(M, _FIRE_GROUP) * cdiv(W, wb), 512)))
+    rows = _FIRE_GROUP * groups
+    _count_fires_kernel[(cdiv(M, rows), cdiv(W, wb))](
+        bits, fires, M, W, ROWS=rows, WB=wb, GROUP=_FIRE_GROUP, num_warps=2
+    )
     return fires
 
 

@@ -123,9 +123,8 @@ def test_gate_format_at_paper_size():
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [16384, 4099])
 def test_count_fires_at_paper_size(M):
-    """The autotuned count (its first call times every config, each on a zeroed buffer): every unit's
-    count equals the positives of h, at the paper's width, for a whole and a ragged batch, call after
-    call."""
+    """count_fires on the GPU: every unit's count equals the positives of h, at the paper's width, for a
+    whole and a ragged batch, call after call."""
     from kernels.gate import relu_gate_bits
 
     x, wg, _, _ = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)

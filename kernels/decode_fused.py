@@ -1,7 +1,8 @@
 """The decode FFN in one kernel (schedule "fused", up to 8 tokens): gate GEMV, gathers and sums, one launch.
 
-One program per 64-unit slice of d_ff computes the slice's gate pre-activations for all tokens (the
-TwELL gate's TMA mainloop: the whole batch is one 16-row tile), then walks the slice's units that
+One program per slice of 64 units of d_ff (program t takes units t, t + T, t + 2T, ... of the T = d_ff / 64
+programs, so that units ordered by firing rate spread over every program) computes the slice's gate
+pre-activations for all tokens (a TMA GEMV: the whole batch is one 16-row tile), then walks its units that
 fire for any token, CH at a time: their w_up and w_down rows are loaded once (one memory round trip
 for every token of the batch), and each token that uses one of them adds its partial row
 sum_j g_j (x . w_up[j]) w_down[j] into an fp32 row with atomics. No TwELL format leaves the program,
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
-from .gate import _gate_tile_tma, gate_tile_preact
+from .gate import gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
@@ -66,12 +67,22 @@ def _fused_decode_kernel(
     DYNAMIC_LOOPS: tl.constexpr,
 ):
     # x_src / w_src: TMA descriptors of x and w_gate when TMA, else the pointers. M_BUCKET keys tuning.
+    # Program `tile` takes the units tile, tile + T, tile + 2T, ... (T = F / TILE_N programs): units
+    # ordered by firing rate (Transformer.order_ffn_units) put the hottest ones first, and contiguous
+    # slices would hand them all to the first programs, whose walks then set the kernel's time.
     tile = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     js = tl.arange(0, TILE_N)
-    cols = tile * TILE_N + js
-    if TMA:
-        pre = _gate_tile_tma(x_src, w_src, 0, tile * TILE_N, D, BLOCK_M, TILE_N, BLOCK_K, DOT_FP32, PRECISION)
+    cols = js * T + tile
+    if TMA:  # w_src: w_gate viewed as [TILE_N, T, D], one [TILE_N, 1, BLOCK_K] box per K step
+        pre = tl.zeros((BLOCK_M, TILE_N), dtype=tl.float32)
+        for k in range(0, D, BLOCK_K):
+            a = x_src.load([0, k])
+            b = tl.reshape(w_src.load([0, tile, k]), (TILE_N, BLOCK_K))
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            pre = tl.dot(a, b.T, pre, input_precision=PRECISION)
     else:
         pre = gate_tile_preact(
             x_src, w_src, rows, cols, M, F, D, BLOCK_M, TILE_N, BLOCK_K, DOT_FP32, PRECISION
@@ -94,7 +105,7 @@ def _fused_decode_kernel(
         xs = tl.load(x_ptr + ms[:, None] * D + ds[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         for c0 in range(0, n_u if DYNAMIC_LOOPS else TILE_N, CH):  # (interpreter: every lane, masked)
             sel = (union[None, :] > 0) & (rank[None, :] == (c0 + lanes)[:, None])  # [CH, TILE_N]
-            unit = tile * TILE_N + tl.sum(tl.where(sel, js[None, :], 0), axis=1)
+            unit = tile + T * tl.sum(tl.where(sel, js[None, :], 0), axis=1)
             ok = (c0 + lanes) < n_u
             w_off = unit.to(tl.int64)[:, None] * D + ds[None, :]
             both = ok[:, None] & d_ok[None, :]
@@ -125,7 +136,7 @@ def _set_desc_blocks(nargs):
     """Autotune pre-hook: the TMA descriptors carry the config's block shape."""
     if nargs["TMA"]:
         nargs["x_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["w_src"].block_shape = [nargs["TILE_N"], nargs["BLOCK_K"]]
+        nargs["w_src"].block_shape = [nargs["TILE_N"], 1, nargs["BLOCK_K"]]
 
 
 def _fused_configs() -> list[triton.Config]:
@@ -168,13 +179,13 @@ def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
     M, D = x.shape
     F = w_gate.shape[0]
     ticket, y32 = workspace
-    T = triton.cdiv(F, FUSED_TILE_N)
+    T = F // FUSED_TILE_N  # d_ff is a multiple of 64 (check_x_weight): program t takes units t + T j
     tma = tma_ready(x, w_gate)  # TMA loads for the gate GEMV (Hopper+, aligned), else pointer loads
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
     if tma:
         x_src = TensorDescriptor.from_tensor(x, [GATE_BLOCK_M, block_k])
-        w_src = TensorDescriptor.from_tensor(w_gate, [FUSED_TILE_N, block_k])
+        w_src = TensorDescriptor.from_tensor(w_gate.view(FUSED_TILE_N, T, D), [FUSED_TILE_N, 1, block_k])
     else:
         x_src, w_src = x, w_gate
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)

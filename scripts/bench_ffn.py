@@ -159,6 +159,10 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
     x, w_gate, w_up, w_down = inputs
     M, D = x.shape
     F = w_gate.shape[0]
+    ordered = args.ordered and M <= DECODE_MAX_TOKENS
+    if ordered:  # as Transformer.order_ffn_units leaves a model: every path runs on the permuted weights
+        order = calibrated_order(calibration, w_gate)
+        w_gate, w_up, w_down = (w[order].contiguous() for w in (w_gate, w_up, w_down))
     profiles = [] if profiles is None else profiles
     graph = M <= GRAPH_MAX_TOKENS or args.graph_all
     # Rotate copies of x when everything fits in L2, so the dense path cannot run from a warm cache.
@@ -257,6 +261,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     variant=name,
                     hot_units=K,
                     hot_prefix=P,
+                    units_ordered=ordered,
                     cuda_graph=graph,
                     mean_active=mean_active,
                     max_active=int(active.max()),
@@ -349,6 +354,12 @@ def main(argv=None):
         help=f"M <= {FUSED_MAX_TOKENS}: leave out schedule='fused' (the whole FFN in one kernel)",
     )
     p.add_argument(
+        "--ordered",
+        action="store_true",
+        help="M <= 64: units ordered by firing on calibration rows, most first, as "
+        "Transformer.order_ffn_units leaves a model (dense and every variant on the permuted weights)",
+    )
+    p.add_argument(
         "--graph-layers",
         type=int,
         default=8,
@@ -388,7 +399,12 @@ def main(argv=None):
         else:
             for F in args.d_ff:
                 for M in args.tokens:
-                    cal = CALIBRATION_ROWS if any(args.hot_prefix) and M > DECODE_MAX_TOKENS else 0
+                    decode = M <= DECODE_MAX_TOKENS
+                    cal = (
+                        CALIBRATION_ROWS
+                        if (any(args.hot_prefix) and not decode) or (args.ordered and decode)
+                        else 0
+                    )
                     inputs = paper_like_ffn_inputs(M + cal, args.d_model, F, device="cuda", seed=M + F)
                     calibration = inputs[0][M:] if cal else None  # fresh rows of the same layer
                     inputs = (inputs[0][:M].contiguous(), *inputs[1:])

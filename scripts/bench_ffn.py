@@ -161,7 +161,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
     F = w_gate.shape[0]
     ordered = args.ordered and M <= DECODE_MAX_TOKENS
     if ordered:  # as Transformer.order_ffn_units leaves a model: every path runs on the permuted weights
-        order = calibrated_order(calibration, w_gate)
+        order = calibrated_order(x if calibration is None else calibration, w_gate)  # a dump: in-sample
         w_gate, w_up, w_down = (w[order].contiguous() for w in (w_gate, w_up, w_down))
     profiles = [] if profiles is None else profiles
     graph = M <= GRAPH_MAX_TOKENS or args.graph_all

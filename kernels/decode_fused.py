@@ -87,7 +87,7 @@ def _fused_decode_kernel(
         pre = gate_tile_preact(
             x_src, w_src, rows, cols, M, F, D, BLOCK_M, TILE_N, BLOCK_K, DOT_FP32, PRECISION
         )
-    live_tile = (pre > 0) & (cols[None, :] < F) & (rows[:, None] < M)
+    live_tile = (pre > 0) & (rows[:, None] < M)  # cols < F = T * TILE_N always
     # Gate values rounded to x's dtype, as the TwELL format stores them (both schedules agree).
     g = tl.where(live_tile, pre, 0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
     ds = tl.arange(0, BLOCK_D)

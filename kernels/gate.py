@@ -429,6 +429,7 @@ def _compact_bits_kernel(
     h_ptr, bits_ptr, counts_ptr, cols_ptr, vals_ptr, hot_pos_ptr, hot_bits_ptr, ghot_ptr, M, F, K_HOT,
     M_BUCKET, T: tl.constexpr, T_PAD: tl.constexpr, WPT: tl.constexpr, SLOTS: tl.constexpr,
     ROWS: tl.constexpr, OFF32: tl.constexpr, HOT: tl.constexpr, DYNAMIC_LOOPS: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):  # fmt: skip
     """Second kernel of the two-kernel path, bitmask version: TwELL tiles from h [M, F] and the positive
     bitmask bits [M, F // 32] (int32 words) that the dense_bits GEMM epilogue wrote.
@@ -438,13 +439,16 @@ def _compact_bits_kernel(
     popcounts of the tile's earlier words + its rank in its word. Positives leave one per word and
     iteration (lowest set bit: its column = popc(lsb - 1)), so the loop runs max-popcount-per-word times
     (a few at 0.5% density) over [ROWS, W] words; only then is h read, a 2-byte gather per positive.
-    HOT: hot_bits [W] marks hot columns; their positives go to ghot[row, hot_pos[c]] (ghot zero-filled
-    by the caller) and are left out of the entries and counts, as in _compact_dense_kernel.
+    HOT: hot_bits [W] marks hot columns; their positives go to ghot[row, hot_pos[c]] (the program's ghot
+    rows are written whole: zeros, then the positives) and are left out of the entries and counts, as in
+    _compact_dense_kernel.
     """
     W_PAD: tl.constexpr = T_PAD * WPT
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     W = F // 32
+    if HOT:  # zeros now, the hot positives over them at the end (_scatter_hot)
+        _zero_rows(ghot_ptr, rows, row_ok, K_HOT, ROWS, K_PAD)
     ws = tl.arange(0, W_PAD)
     bits, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(bits)
@@ -485,9 +489,25 @@ def _emit_lowest(bits, it, before, base, col0, h_rows, cols_ptr, vals_ptr, SLOTS
 
 
 @triton.jit
+def _zero_rows(ptr, rows, ok, K, ROWS: tl.constexpr, K_PAD: tl.constexpr):
+    """ptr[rows, :K] = 0 for the rows with ok (a [M, K] row-major buffer; K <= K_PAD), in one store: a
+    compaction program's g_hot rows, before _scatter_hot (no separate fill of g_hot)."""
+    ks = tl.arange(0, K_PAD)
+    m = ok[:, None] & (ks < K)[None, :]
+    tl.store(
+        ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+        tl.zeros([ROWS, K_PAD], ptr.dtype.element_ty),
+        mask=m,
+    )
+
+
+@triton.jit
 def _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS: tl.constexpr):
     """Copy every hot positive (set bits of the words `hot`) from h to its g_hot column, one per word
-    and iteration (DYNAMIC_LOOPS: as many iterations as the fullest word needs; else 32)."""
+    and iteration (DYNAMIC_LOOPS: as many iterations as the fullest word needs; else 32), over the zeros
+    the program stored in its g_hot rows first (_zero_rows): the barrier orders every thread's zero
+    stores before any scatter, so the positives are the later stores."""
+    tl.debug_barrier()
     g_rows = ghot_ptr + rows[:, None].to(tl.int64) * K_HOT
     if DYNAMIC_LOOPS:
         for _ in range(0, tl.max(tl.max(_popc32(hot), axis=1), axis=0)):
@@ -523,8 +543,8 @@ def launch_compact_bits(
     h, bits, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None, hot_bits=None
 ) -> None:
     """TwELL format from h [M, F] and its positive bitmask bits [M, F // 32] (the dense_bits epilogue);
-    with hot_pos the hot positives go to g_hot [M, K], which must be zero-filled, and hot_bits is the hot
-    columns' word mask (select_hot_units writes both)."""
+    with hot_pos the hot positives go to g_hot [M, K] (written whole: any contents on entry), and
+    hot_bits is the hot columns' word mask (select_hot_units writes both)."""
     M, F = h.shape
     T = cdiv(F, tile_n)
     hot = hot_pos is not None
@@ -535,7 +555,13 @@ def launch_compact_bits(
         g_hot if hot else vals, M, F, g_hot.shape[1] if hot else 1, min(next_pow2(M), 1 << 17),
     )  # fmt: skip
     common = dict(
-        T=T, T_PAD=next_pow2(T), WPT=tile_n // 32, SLOTS=slots, OFF32=_off32(M, F, tile_n, slots), HOT=hot
+        T=T,
+        T_PAD=next_pow2(T),
+        WPT=tile_n // 32,
+        SLOTS=slots,
+        OFF32=_off32(M, F, tile_n, slots),
+        HOT=hot,
+        K_PAD=next_pow2(g_hot.shape[1]) if hot else 1,
     )
     if interpreting():
         _compact_bits_kernel[(cdiv(M, 16),)](*args, ROWS=16, DYNAMIC_LOOPS=False, **common)
@@ -724,8 +750,6 @@ def _compact_pass(
     if bits is None:
         launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos, g_hot)
         return
-    if g_hot is not None:
-        g_hot.zero_()  # the bitmask kernel writes the hot positives only
     launch_compact_bits(h, bits, counts, cols, vals, tile_n, slots, hot_pos, g_hot, hot_bits)
 
 

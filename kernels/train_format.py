@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .gate import _popc32, _scatter_hot, load_bit_words, select_hot_units
+from .gate import _popc32, _scatter_hot, _zero_rows, load_bit_words, select_hot_units
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 
@@ -109,7 +109,7 @@ def _compact_csr_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     W = F // 32
-    if HOT:  # zeros here, the hot positives after the barrier below: the later store wins
+    if HOT:  # zeros now, the hot positives over them at the end (_scatter_hot)
         _zero_rows(ghot_ptr, rows, ok, K_HOT, ROWS, K_PAD)
     cold, hot = load_bit_words(bits_ptr, hot_bits_ptr, rows, M, W, HOT, ROWS, W_PAD)
     pc = _popc32(cold)
@@ -131,21 +131,8 @@ def _compact_csr_kernel(
             cold, slot = _emit_entries(
                 cold, slot, end, col0, h_rows, row_ids, rows_ptr, cols_ptr, vals_ptr, WRITE_ROWS
             )
-    if HOT:  # hot positives to their g_hot column, over the zeros this program's threads stored
-        tl.debug_barrier()  # bar.sync: every thread's zero stores are ordered before any scatter
+    if HOT:  # hot positives to their g_hot column, over the zeros stored above
         _scatter_hot(hot, rows, col0, h_rows, hot_pos_ptr, ghot_ptr, K_HOT, DYNAMIC_LOOPS)
-
-
-@triton.jit
-def _zero_rows(ptr, rows, ok, K, ROWS: tl.constexpr, K_PAD: tl.constexpr):
-    """ptr[rows, :K] = 0 for the rows with ok (a [M, K] row-major buffer; K <= K_PAD), in one store."""
-    ks = tl.arange(0, K_PAD)
-    m = ok[:, None] & (ks < K)[None, :]
-    tl.store(
-        ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-        tl.zeros([ROWS, K_PAD], ptr.dtype.element_ty),
-        mask=m,
-    )
 
 
 @triton.jit

@@ -147,6 +147,12 @@ def gate_call(x, w_gate):
     return twell_gate(x, w_gate)
 
 
+def ordered_weights(cal, weights) -> tuple[torch.Tensor, tuple]:
+    """(calibrated_order on rows cal, the three weights permuted to it, contiguous)."""
+    order = calibrated_order(cal, weights[0])
+    return order, tuple(w[order].contiguous() for w in weights)
+
+
 def calibrated_order(cal: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
     """Units by firing count on the calibration rows, most first (ties by index): the order a model's
     units would be stored in for hot_prefix (a property of the weights, chosen once)."""
@@ -160,9 +166,9 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
     M, D = x.shape
     F = w_gate.shape[0]
     ordered = args.ordered and M <= DECODE_MAX_TOKENS
+    cal = x if calibration is None else calibration  # a dump without calibration rows: in-sample
     if ordered:  # as Transformer.order_ffn_units leaves a model: every path runs on the permuted weights
-        order = calibrated_order(x if calibration is None else calibration, w_gate)  # a dump: in-sample
-        w_gate, w_up, w_down = (w[order].contiguous() for w in (w_gate, w_up, w_down))
+        w_gate, w_up, w_down = ordered_weights(cal, (w_gate, w_up, w_down))[1]
     profiles = [] if profiles is None else profiles
     graph = M <= GRAPH_MAX_TOKENS or args.graph_all
     # Rotate copies of x when everything fits in L2, so the dense path cannot run from a warm cache.
@@ -203,8 +209,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
         pre = x.float() @ w_gate.float().T
         permuted = None
         if any(kw.get("hot_prefix") for kw in variants):
-            order = calibrated_order(x if calibration is None else calibration, w_gate)
-            permuted = (order, tuple(w[order].contiguous() for w in (w_gate, w_up, w_down)))
+            permuted = ordered_weights(cal, (w_gate, w_up, w_down))
         rows = []
         for kw in variants:
             K = kw.get("hot_units", 0)

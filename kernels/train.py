@@ -37,7 +37,14 @@ from .gate import count_fires, relu_gate_bits
 from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
-from .train_hot import hot_backward, hot_forward, scatter_hot_rows
+from .train_hot import (
+    fused_hot_gemm_ok,
+    hot_backward,
+    hot_backward_gemm,
+    hot_forward,
+    hot_forward_gemm,
+    scatter_hot_rows,
+)
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
@@ -63,7 +70,10 @@ SIZES = ("estimate", "exact", "static")
 # owner captures with a wider one after capacity misses (capacity_headroom, training/cuda_graph.py).
 DEFAULT_HEADROOM = 0.125
 MAX_HEADROOM = 2.0
-_settings = {"backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM}
+_settings = {
+    "backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM, "streams": True,
+    "fused_hot": True,  # the hot elementwise passes in their GEMM's epilogue (train_hot.py); off: cuBLAS
+}  # fmt: skip
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -167,6 +177,60 @@ def set_hot_units(k: int | None) -> None:
     _settings["hot_units"] = None if k is None else int(k)
 
 
+def set_streams(on: bool) -> None:
+    """Whether, on a GPU, the hot units' dense GEMMs run on a second CUDA stream beside the sparse
+    kernels (default on; off: one stream, the same kernels in the same order, bit-identical results)."""
+    _settings["streams"] = bool(on)
+
+
+# The second stream of each device (made on first use). The hot units' GEMMs (tensor cores) and the
+# cold entries' gather kernels (memory-bound, CUDA cores) share no operand, so they run concurrently;
+# a CUDA graph captures the fork and join as parallel branches. Allocator safety: every stretch of work
+# on the side stream starts by waiting for the caller's stream (_fork) and ends before the op returns
+# (_join), so a block the side stream allocates and the caller's stream reads is only reused on the
+# side stream after a later _fork, which orders it after those reads.
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: Tensor):
+    """The side stream of x's device, or None (CPU tensors, or streams turned off)."""
+    if not (_settings["streams"] and x.is_cuda):
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=x.device)
+    return _side_streams[index]
+
+
+@contextlib.contextmanager
+def _on(side, after=None):
+    """Work issued inside runs on `side` (None: on the caller's stream), after everything the caller's
+    stream has issued so far, or after only the event `after` when one is given."""
+    if side is None:
+        yield
+        return
+    if after is None:
+        side.wait_stream(torch.cuda.current_stream(side.device))
+    else:
+        side.wait_event(after)
+    with torch.cuda.stream(side):
+        yield
+
+
+def _mark(side):
+    """An event on the caller's stream at this point (None without a side stream)."""
+    if side is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(side.device))
+    return ev
+
+
+def _join(side) -> None:
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+
+
 def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     """Hot units a call with M rows and d_ff F takes: `hot_units` when given, else the module setting
     (set_hot_units), else the default (inference's default_hot_units)."""
@@ -220,27 +284,35 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
     pat = build_pattern(h, bits, split, capacity, static=static)
     del h, bits, split  # the dense gate values are in the CSR and g_hot now
+    side = _side_stream(x) if K else None
     if K:
         # The hot units' weight rows, gathered once and saved: [w_gate[hot]; w_up[hot]] serves the
         # backward's dx and dW_gate/dW_up GEMMs (one each), w_down[hot] both passes (12 MB at K 1024).
+        # Outputs are allocated on the caller's stream; the side stream fills them while the row kernel
+        # below gathers the cold entries.
         w_gu = x.new_empty(2 * K, x.shape[1])
-        torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
-        torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
-        w_down_hot = w_down.index_select(0, hot_idx)
-        # h = g * u in x's dtype (as a dense FFN rounds it) and sum|h| per row in one pass. u is saved
-        # for backward (32 MB at 16k x 1024: one GEMM less than recomputing it).
-        u_hot = x @ w_gu[K:].T
-        h_hot, l1_rows = hot_forward(g_hot, u_hot)
-        y_hot = h_hot @ w_down_hot
+        w_down_hot = x.new_empty(K, x.shape[1])
+        u_hot = x.new_empty(x.shape[0], K)
+        with _on(side):
+            torch.index_select(w_gate, 0, hot_idx, out=w_gu[:K])
+            torch.index_select(w_up, 0, hot_idx, out=w_gu[K:])
+            torch.index_select(w_down, 0, hot_idx, out=w_down_hot)
+            # h = g * u in x's dtype (as a dense FFN rounds it) and sum|h| per row in one pass. u is
+            # saved for backward (32 MB at 16k x 1024: one GEMM less than recomputing it).
+            if _fused_hot(x, w_gu):  # u, h and sum|h| from one GEMM
+                h_hot, l1_hot = hot_forward_gemm(x, w_gu[K:], g_hot, u_hot)
+            else:
+                torch.mm(x, w_gu[K:].T, out=u_hot)
+                h_hot, l1_hot = hot_forward(g_hot, u_hot)
     else:
-        y_hot = l1_rows = None
         # outputs of a custom op may not alias each other
         u_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
-    # The row kernel starts y from y_hot (rows without entries: y_hot or 0) and sums |h| per row on top
-    # of the hot units' share.
-    up, y, l1_rows = row_ffn_forward(
-        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, init=y_hot, l1_init=l1_rows, long=pat.long
-    )
+    # The cold entries: u per entry, y and sum |h| per row (rows without entries: 0).
+    up, y, l1_rows = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, long=pat.long)
+    if K:  # the hot units' share on top: y += h_hot w_down[hot] (cuBLAS reads y in its epilogue)
+        _join(side)
+        y.addmm_(h_hot, w_down_hot)
+        l1_rows.add_(l1_hot)
     rows, cols, gate = pat.rows, pat.cols, pat.gate
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
     if static:
@@ -287,9 +359,17 @@ def _backward_impl(
         variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
     # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
+    hot = hot_idx.numel() > 0
+    side = _side_stream(x) if hot else None
+    if hot:  # the hot units' GEMMs on the side stream, beside the cold entries' kernels below
+        with _on(side):
+            d_gu, dw_gu_hot, dw_down_hot = _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot)
     d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, grad_l1, M)
     dx = torch.empty_like(x)
     row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
+    if hot:  # dx += d_gu [w_gate[hot]; w_up[hot]], once the row kernel has written dx
+        with _on(side, after=_mark(side)):
+            dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
@@ -298,8 +378,9 @@ def _backward_impl(
     else:
         segment_axpy(col_ptr, rows_by_col, coefs[:2], (x,), (dw_gate, dw_up), SPLIT2)
         segment_axpy(col_ptr, rows_by_col, coefs[2:], (dy,), (dw_down,), ONE)
-    if hot_idx.numel():
-        _hot_backward(dy, grad_l1, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down)
+    if hot:  # the hot units' weight-gradient rows hold zeros from the column pass: overwritten
+        _join(side)
+        scatter_hot_rows(hot_idx, dw_gu_hot, dw_down_hot, dw_gate, dw_up, dw_down)
     return dx, dw_gate, dw_up, dw_down
 
 
@@ -315,14 +396,19 @@ def _ffn_train_bwd(
     )  # fmt: skip
 
 
-def _hot_backward(dy, grad_l1, x, hot_idx, g_hot, u_hot, w_gu, w_down_hot, dx, dw_gate, dw_up, dw_down):
-    """The hot units' share of every gradient, as a dense FFN's autograd computes it (cuBLAS GEMMs on
+def _fused_hot(a: Tensor, w: Tensor) -> bool:
+    return _settings["fused_hot"] and fused_hot_gemm_ok(a, w)
+
+
+def _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot):
+    """The hot units' share of the gradients, as a dense FFN's autograd computes it (cuBLAS GEMMs on
     the weight rows the forward gathered, w_gu = [w_gate[hot]; w_up[hot]]; coefficients rounded to x's
-    dtype). Their weight-gradient rows hold zeros from the column pass (no sparse entries there) and
-    are overwritten."""
-    d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, grad_l1)
-    dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
-    scatter_hot_rows(hot_idx, d_gu.T @ x, h_hot.T @ dy, dw_gate, dw_up, dw_down)
+    dtype): (d_gu = [d_gate | d_up] [M, 2K] for dx, dW of [w_gate[hot]; w_up[hot]], dW of w_down[hot])."""
+    if _fused_hot(dy, w_down_hot):
+        d_gu, h_hot = hot_backward_gemm(dy, w_down_hot, g_hot, u_hot, grad_l1)
+    else:
+        d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, grad_l1)
+    return d_gu, d_gu.T @ x, h_hot.T @ dy
 
 
 @_ffn_train_bwd.register_fake

@@ -39,6 +39,7 @@ from kernels.train import (  # noqa: E402
     set_backward_variant,
     set_hot_units,
     set_sizes,
+    set_streams,
     twell_ffn,
 )
 
@@ -346,11 +347,23 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     hots = getattr(args, "hot_units", None) or [0]
     variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
     sizes = getattr(args, "sizes", None) or ["estimate"]
+    streams = getattr(args, "streams", None) or ["on"]
     impls += [
-        (f"twell_{v}" + (f"_h{k}" if k else "") + ("" if z == "estimate" else f"_{z}"), _twell_y_l1, v, k, z)
+        (
+            f"twell_{v}"
+            + (f"_h{k}" if k else "")
+            + ("" if z == "estimate" else f"_{z}")
+            + ("" if st == "on" else "_one_stream"),
+            _twell_y_l1,
+            v,
+            k,
+            z,
+            st,
+        )  # fmt: skip
         for v in variants
         for k in hots
         for z in sizes
+        for st in streams
     ]
 
     rows = []
@@ -359,6 +372,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             set_backward_variant(variant)
             set_hot_units(hot)
             set_sizes(size[0])
+            set_streams(size[1] == "on")
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(
@@ -389,6 +403,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     set_backward_variant("auto")
     set_hot_units(None)
     set_sizes("estimate")
+    set_streams(True)
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -533,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-graph", action="store_true",
         help="also time each step captured in one CUDA graph (dense eager and compiled, TwELL at static sizes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--streams", nargs="*", choices=("on", "off"), default=["on"],
+        help="the hot units' GEMMs on a second CUDA stream (on, the default) or one stream (off: rows "
+        "named *_one_stream); both to compare them in one run",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")

@@ -17,7 +17,14 @@ from kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from kernels.train import BACKWARD_VARIANTS, hot_units_for, set_backward_variant, set_hot_units, twell_ffn
+from kernels.train import (
+    BACKWARD_VARIANTS,
+    hot_units_for,
+    set_backward_variant,
+    set_hot_units,
+    set_streams,
+    twell_ffn,
+)
 from kernels.train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -691,6 +698,66 @@ def test_training_step_replays_in_a_cuda_graph(hot):
     assert _rel_err(out.y, eager_y) < 1e-2
     for a, b in zip([t.grad for t in leaves], eager_grads):
         assert _rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hot_gemms_match_the_cublas_gemm_and_elementwise_passes(dtype):
+    """The hot units' u GEMM (forward) and dh GEMM (backward) with their elementwise pass in the
+    epilogue equal a GEMM followed by hot_forward / hot_backward, at odd sizes (partial tiles both ways,
+    several tiles a program)."""
+    from kernels.train_hot import (
+        fused_hot_gemm_ok,
+        hot_backward,
+        hot_backward_gemm,
+        hot_forward,
+        hot_forward_gemm,
+    )
+
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    M, D, K = 77, 128, 100
+    x, dy = (torch.randn(M, D, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    w_up, w_down = (torch.randn(K, D, generator=gen).div(D**0.5).to(dtype).to(DEVICE) for _ in range(2))
+    g = torch.randn(M, K, generator=gen).relu().to(dtype).to(DEVICE)  # half zeros: the ReLU mask
+    grad_l1 = torch.tensor(3.0, device=DEVICE)
+    assert fused_hot_gemm_ok(x, w_up) and fused_hot_gemm_ok(dy, w_down)
+    # bf16: dh is rounded from the kernel's own fp32 sum, which may differ from cuBLAS's by an ulp
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+
+    u = torch.full((M, K), float("nan"), dtype=dtype, device=DEVICE)  # every element must be written
+    h, l1 = hot_forward_gemm(x, w_up, g, u)
+    u_ref = (x.float() @ w_up.float().T).to(dtype)
+    h_ref, l1_ref = hot_forward(g, u_ref)
+    torch.testing.assert_close(u, u_ref, **tol)
+    torch.testing.assert_close(h, h_ref, **tol)
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
+
+    d_gu, h_b = hot_backward_gemm(dy, w_down, g, u_ref, grad_l1)
+    d_gu_ref, h_b_ref = hot_backward((dy.float() @ w_down.float().T).to(dtype), g, u_ref, grad_l1)
+    torch.testing.assert_close(d_gu, d_gu_ref, **tol)
+    assert torch.equal(h_b, h_b_ref)  # g * u rounded once, both ways
+    assert not d_gu[:, :K][g == 0].any()  # d_gate is 0 off the ReLU mask, exactly
+
+
+@pytest.mark.gpu
+def test_hot_units_on_a_side_stream_give_the_one_stream_results_bit_for_bit():
+    """The hot units' GEMMs run on a second stream beside the sparse kernels (the default); every
+    output and gradient equals the one-stream step's exactly, on repeated calls too."""
+    M, D, F = 8192, 1024, 4096
+    inputs = _inputs(M, D, F, torch.bfloat16, mean_active=29.0)
+    make_rows_dense(inputs[0], [1, 4000])
+    grad_y = torch.randn(M, D, device=DEVICE, dtype=torch.bfloat16)
+    runs = []
+    try:
+        for on in (False, True, True):
+            set_streams(on)
+            runs.append(_run(lambda *t: twell_ffn(*t, hot_units=512), inputs, grad_y, 0.4))
+    finally:
+        set_streams(True)
+    (ref, ref_grads), others = runs[0], runs[1:]
+    for out, grads in others:
+        assert torch.equal(out.y, ref.y) and torch.equal(out.l1, ref.l1)
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b)
 
 
 def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():

@@ -37,14 +37,7 @@ from .gate import count_fires, relu_gate_bits
 from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
-from .train_hot import (
-    fused_hot_gemm_ok,
-    hot_backward,
-    hot_backward_gemm,
-    hot_forward,
-    hot_forward_gemm,
-    scatter_hot_rows,
-)
+from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
@@ -72,7 +65,6 @@ DEFAULT_HEADROOM = 0.125
 MAX_HEADROOM = 2.0
 _settings = {
     "backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM, "streams": True,
-    "fused_hot": True,  # the hot elementwise passes in their GEMM's epilogue (train_hot.py); off: cuBLAS
 }  # fmt: skip
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -299,11 +291,8 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
             torch.index_select(w_down, 0, hot_idx, out=w_down_hot)
             # h = g * u in x's dtype (as a dense FFN rounds it) and sum|h| per row in one pass. u is
             # saved for backward (32 MB at 16k x 1024: one GEMM less than recomputing it).
-            if _fused_hot(x, w_gu):  # u, h and sum|h| from one GEMM
-                h_hot, l1_hot = hot_forward_gemm(x, w_gu[K:], g_hot, u_hot)
-            else:
-                torch.mm(x, w_gu[K:].T, out=u_hot)
-                h_hot, l1_hot = hot_forward(g_hot, u_hot)
+            torch.mm(x, w_gu[K:].T, out=u_hot)
+            h_hot, l1_hot = hot_forward(g_hot, u_hot)
     else:
         # outputs of a custom op may not alias each other
         u_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
@@ -396,18 +385,11 @@ def _ffn_train_bwd(
     )  # fmt: skip
 
 
-def _fused_hot(a: Tensor, w: Tensor) -> bool:
-    return _settings["fused_hot"] and fused_hot_gemm_ok(a, w)
-
-
 def _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot):
     """The hot units' share of the gradients, as a dense FFN's autograd computes it (cuBLAS GEMMs on
     the weight rows the forward gathered, w_gu = [w_gate[hot]; w_up[hot]]; coefficients rounded to x's
     dtype): (d_gu = [d_gate | d_up] [M, 2K] for dx, dW of [w_gate[hot]; w_up[hot]], dW of w_down[hot])."""
-    if _fused_hot(dy, w_down_hot):
-        d_gu, h_hot = hot_backward_gemm(dy, w_down_hot, g_hot, u_hot, grad_l1)
-    else:
-        d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, grad_l1)
+    d_gu, h_hot = hot_backward(dy @ w_down_hot.T, g_hot, u_hot, grad_l1)
     return d_gu, d_gu.T @ x, h_hot.T @ dy
 
 

@@ -700,44 +700,6 @@ def test_training_step_replays_in_a_cuda_graph(hot):
         assert _rel_err(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_hot_gemms_match_the_cublas_gemm_and_elementwise_passes(dtype):
-    """The hot units' u GEMM (forward) and dh GEMM (backward) with their elementwise pass in the
-    epilogue equal a GEMM followed by hot_forward / hot_backward, at odd sizes (partial tiles both ways,
-    several tiles a program)."""
-    from kernels.train_hot import (
-        fused_hot_gemm_ok,
-        hot_backward,
-        hot_backward_gemm,
-        hot_forward,
-        hot_forward_gemm,
-    )
-
-    gen = torch.Generator().manual_seed(_fresh_seed())
-    M, D, K = 77, 128, 100
-    x, dy = (torch.randn(M, D, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
-    w_up, w_down = (torch.randn(K, D, generator=gen).div(D**0.5).to(dtype).to(DEVICE) for _ in range(2))
-    g = torch.randn(M, K, generator=gen).relu().to(dtype).to(DEVICE)  # half zeros: the ReLU mask
-    grad_l1 = torch.tensor(3.0, device=DEVICE)
-    assert fused_hot_gemm_ok(x, w_up) and fused_hot_gemm_ok(dy, w_down)
-    # bf16: dh is rounded from the kernel's own fp32 sum, which may differ from cuBLAS's by an ulp
-    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
-
-    u = torch.full((M, K), float("nan"), dtype=dtype, device=DEVICE)  # every element must be written
-    h, l1 = hot_forward_gemm(x, w_up, g, u)
-    u_ref = (x.float() @ w_up.float().T).to(dtype)
-    h_ref, l1_ref = hot_forward(g, u_ref)
-    torch.testing.assert_close(u, u_ref, **tol)
-    torch.testing.assert_close(h, h_ref, **tol)
-    torch.testing.assert_close(l1, l1_ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
-
-    d_gu, h_b = hot_backward_gemm(dy, w_down, g, u_ref, grad_l1)
-    d_gu_ref, h_b_ref = hot_backward((dy.float() @ w_down.float().T).to(dtype), g, u_ref, grad_l1)
-    torch.testing.assert_close(d_gu, d_gu_ref, **tol)
-    assert torch.equal(h_b, h_b_ref)  # g * u rounded once, both ways
-    assert not d_gu[:, :K][g == 0].any()  # d_gate is 0 off the ReLU mask, exactly
-
-
 @pytest.mark.gpu
 def test_hot_units_on_a_side_stream_give_the_one_stream_results_bit_for_bit():
     """The hot units' GEMMs run on a second stream beside the sparse kernels (the default); every

@@ -178,9 +178,9 @@ def set_streams(on: bool) -> None:
 # The second stream of each device (made on first use). The hot units' GEMMs (tensor cores) and the
 # cold entries' gather kernels (memory-bound, CUDA cores) share no operand, so they run concurrently;
 # a CUDA graph captures the fork and join as parallel branches. Allocator safety: every stretch of work
-# on the side stream starts by waiting for the caller's stream (_fork) and ends before the op returns
-# (_join), so a block the side stream allocates and the caller's stream reads is only reused on the
-# side stream after a later _fork, which orders it after those reads.
+# on the side stream starts by waiting for the caller's stream (_on) and the op joins it before
+# returning (_join), so a block the side stream allocates and the caller's stream reads is only reused
+# on the side stream after a later _on, which orders it after those reads.
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -188,34 +188,21 @@ def _side_stream(x: Tensor):
     """The side stream of x's device, or None (CPU tensors, or streams turned off)."""
     if not (_settings["streams"] and x.is_cuda):
         return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=x.device)
-    return _side_streams[index]
+    if x.device.index not in _side_streams:
+        _side_streams[x.device.index] = torch.cuda.Stream(device=x.device)
+    return _side_streams[x.device.index]
 
 
 @contextlib.contextmanager
-def _on(side, after=None):
+def _on(side):
     """Work issued inside runs on `side` (None: on the caller's stream), after everything the caller's
-    stream has issued so far, or after only the event `after` when one is given."""
+    stream has issued so far."""
     if side is None:
         yield
         return
-    if after is None:
-        side.wait_stream(torch.cuda.current_stream(side.device))
-    else:
-        side.wait_event(after)
+    side.wait_stream(torch.cuda.current_stream(side.device))
     with torch.cuda.stream(side):
         yield
-
-
-def _mark(side):
-    """An event on the caller's stream at this point (None without a side stream)."""
-    if side is None:
-        return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(side.device))
-    return ev
 
 
 def _join(side) -> None:
@@ -343,12 +330,12 @@ def _backward_impl(
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
     grad_l1 = grad_l1.float()  # d(sum|h| / M)/dh = sign(h) / M times this: divided in the kernels
+    hot = hot_idx.numel() > 0
     variant = _settings["backward"]
     if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
-        variant = "split" if M >= 65536 and not hot_idx.numel() else "fused3"
+        variant = "split" if M >= 65536 and not hot else "fused3"
     # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
-    hot = hot_idx.numel() > 0
     side = _side_stream(x) if hot else None
     if hot:  # the hot units' GEMMs on the side stream, beside the cold entries' kernels below
         with _on(side):
@@ -357,7 +344,7 @@ def _backward_impl(
     dx = torch.empty_like(x)
     row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     if hot:  # dx += d_gu [w_gate[hot]; w_up[hot]], once the row kernel has written dx
-        with _on(side, after=_mark(side)):
+        with _on(side):
             dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)

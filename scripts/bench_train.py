@@ -359,7 +359,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             k,
             z,
             st,
-        )  # fmt: skip
+        )
         for v in variants
         for k in hots
         for z in sizes
@@ -367,12 +367,13 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     ]
 
     rows = []
-    for name, fn, variant, hot, *size in impls:
+    for name, fn, variant, hot, *modes in impls:
         if variant:
+            size_mode, stream_mode = modes
             set_backward_variant(variant)
             set_hot_units(hot)
-            set_sizes(size[0])
-            set_streams(size[1] == "on")
+            set_sizes(size_mode)
+            set_streams(stream_mode == "on")
         errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
         fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
         step_ms = triton.testing.do_bench(

@@ -62,7 +62,8 @@ def row_kernel_cases(D: int, F: int) -> dict:
     }
     block_d = triton.next_power_of_2(D)
     common = dict(D=D, BLOCK_D=block_d, WHILE_LOOP=False, F=F, LONG_ROW=rf.LONG_ROW)
-    train = dict(HAS_L1_INIT=True, HAS_INIT=True, STORE_UP=True, STORE_L1=True, PAST_CAP=False, HOT=False)
+    # the training op starts y and the L1 sums from zeros (its hot units' share is added after the join)
+    train = dict(HAS_L1_INIT=False, HAS_INIT=False, STORE_UP=True, STORE_L1=True, PAST_CAP=False, HOT=False)
     infer = dict(HAS_L1_INIT=False, HAS_INIT=False, STORE_UP=False, STORE_L1=False, PAST_CAP=True, HOT=True)
     dx_sig = {
         **ptr("*i32", ["row_ptr_ptr", "cols_ptr"]),

@@ -9,28 +9,41 @@ Every value is type-checked against the dataclass schemas in training/config.py;
 the run before anything is built, with a message naming it.
 """
 
-import contextlib
-import gc
-import importlib.util
-import logging
 import os
-import random
 import sys
-from pathlib import Path
 
-import hydra
-import numpy as np
-import torch
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+# Python puts this file's folder, the project root, first on sys.path; there kernels/, model/, data/
+# and eval/ would be importable as top-level packages and shadow libraries of the same names (Hugging
+# Face's `kernels`, which transformers imports). Our code is imported as twell.* only (installed by
+# `pip install -e .`), so the root leaves sys.path before anything else is imported.
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
-from data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer
-from eval import bytes_per_token, validation_loss
-from model import Transformer
-from training.checkpoint import CheckpointError, capture_rng, restore_rng
-from training.config import JobConfig, register_configs
-from training.distributed import DistInfo, destroy, init_distributed
-from training.trainer import Evaluator, Trainer
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+try:
+    import twell.training  # noqa: E402, F401
+except ModuleNotFoundError as err:  # a clone that was never installed
+    sys.exit(f"error: {err}; install the project first: bash scripts/setup_env.sh (or pip install -e .)")
+
+from twell.data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer  # noqa: E402
+from twell.eval import bytes_per_token, validation_loss  # noqa: E402
+from twell.model import Transformer  # noqa: E402
+from twell.training.checkpoint import CheckpointError, capture_rng, restore_rng  # noqa: E402
+from twell.training.config import JobConfig, register_configs  # noqa: E402
+from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
+from twell.training.trainer import Evaluator, Trainer  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")
@@ -111,7 +124,7 @@ def lm_eval_evaluator(ecfg, tokenizer, info: DistInfo) -> Evaluator:
             f"eval.lm_eval_tasks={list(ecfg.lm_eval_tasks)} needs lm-eval (pip install -e .[eval]); "
             "install it or set eval.lm_eval_tasks=[]"
         )
-    from eval import resolve_tasks, run_lm_eval  # lm_eval itself is imported on first use
+    from twell.eval import resolve_tasks, run_lm_eval  # lm_eval itself is imported on first use
 
     # Bad task names and missing offline data stop the run now (on every rank), not at step N.
     names, _ = resolve_tasks(list(ecfg.lm_eval_tasks))

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from data.config import DataConfig
-from data.paths import expand_files
-from data.token_shards import ShardDocuments, read_manifest, token_dtype
+from twell.data.config import DataConfig
+from twell.data.paths import expand_files
+from twell.data.token_shards import ShardDocuments, read_manifest, token_dtype
 
 log = logging.getLogger(__name__)
 

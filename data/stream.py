@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from data.config import DataConfig
-from data.packing import LaneBuffer, rows_to_batch
-from data.reader import DocumentReader
-from data.sources import open_source
+from twell.data.config import DataConfig
+from twell.data.packing import LaneBuffer, rows_to_batch
+from twell.data.reader import DocumentReader
+from twell.data.sources import open_source
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.paths import resolve_path
+from twell.data.paths import resolve_path
 
 MANIFEST = "manifest.json"
 FORMAT = "twell-token-shards"

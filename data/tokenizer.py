@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from data.paths import resolve_path
+from twell.data.paths import resolve_path
 
 _OFFLINE_FIX = (
     "run `python scripts/prepare_offline_data.py` and use data.tokenizer=offline/tokenizer, or point "

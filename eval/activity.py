@@ -231,7 +231,7 @@ def text_sequences(tokenizer, text: str, seq_len: int) -> list[list[int]]:
 
 def validation_rows(data_cfg, tokenizer, seq_len: int, rows: int, batch_size: int) -> Iterator[torch.Tensor]:
     """The first `rows` rows of the configured held-out data, packed as training sees them."""
-    from data import build_val_stream
+    from twell.data import build_val_stream
 
     if rows < 1:
         raise ValueError(f"--val-rows={rows} must be >= 1")

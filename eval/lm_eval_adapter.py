@@ -20,8 +20,8 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from eval.report import flat_metrics, mean_accuracy, results_table, summarize
-from eval.tasks import PAPER7, resolve_tasks
+from twell.eval.report import flat_metrics, mean_accuracy, results_table, summarize
+from twell.eval.tasks import PAPER7, resolve_tasks
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TwellLM(TemplateLM):
         from lm_eval.utils import simple_parse_args_string
         from transformers import AutoTokenizer
 
-        from model.hf_io import import_hf
+        from twell.model.hf_io import import_hf
 
         args = {**simple_parse_args_string(arg_string), **(additional_config or {})}
         path = Path(args["path"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from model import ModelConfig, Transformer
+from twell.model import ModelConfig, Transformer
 
 RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
 
@@ -113,7 +113,7 @@ def load_for_eval(
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if is_hf_folder(path):
-        from model.hf_io import import_hf
+        from twell.model.hf_io import import_hf
 
         _, net = import_hf(path, dtype=torch.float32, **overrides)
         return net, tokenizer or str(path)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from eval.offline_tasks import MANIFEST, OWN_TASKS_DIR, offline_task_names
+from twell.eval.offline_tasks import MANIFEST, OWN_TASKS_DIR, offline_task_names
 
 # The paper's seven zero-shot tasks, cloze formulation (answers scored as text after "Answer:").
 PAPER7 = [

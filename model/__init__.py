@@ -1,8 +1,8 @@
 """Plain PyTorch model code: config, transformer, ReLU-gated FFN."""
 
-from model.config import PRESETS, ModelConfig
-from model.ffn import FFNStats, ReLUGatedFFN
-from model.transformer import ActivityStats, Transformer, TransformerOutput
+from twell.model.config import PRESETS, ModelConfig
+from twell.model.ffn import FFNStats, ReLUGatedFFN
+from twell.model.transformer import ActivityStats, Transformer, TransformerOutput
 
 __all__ = [
     "PRESETS",

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.synthetic import DEAD_THRESHOLD_SIGMAS, unit_firing_rates
-from model.transformer import Transformer
+from twell.kernels.synthetic import DEAD_THRESHOLD_SIGMAS, unit_firing_rates
+from twell.model.transformer import Transformer
 
 # beta in units of the embedding entries' rms: the bias channel then reads ~4 after each norm, so a
 # threshold of a few sigma of the pre-activation (~2 at the init's scale) takes a gate weight below 1.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kernels._common import check_hot_units
+from twell.kernels._common import check_hot_units
 
 FFN_IMPLS = ("dense", "twell", "auto")
 

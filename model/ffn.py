@@ -42,14 +42,11 @@ def kernels_usable(x: torch.Tensor) -> bool:
 
 def _import_kernels():
     try:
-        import kernels
+        from twell import kernels
     except ImportError as err:  # pragma: no cover - depends on the installation
         raise ImportError(
-            f"ffn_impl='twell' needs the `kernels` package (torch + triton): {err}. "
-            "Install triton or use ffn_impl='dense'."
+            f"ffn_impl='twell' needs twell.kernels (torch + triton): {err}. Install triton or use ffn_impl='dense'."
         ) from err
-    if not hasattr(kernels, "twell_ffn"):
-        raise ImportError("the installed `kernels` package has no twell_ffn; use ffn_impl='dense'")
     return kernels
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
-from model.transformer import Transformer
+from twell.model.config import ModelConfig
+from twell.model.transformer import Transformer
 
 
 def llama_config(cfg: ModelConfig, dtype: torch.dtype | None = None):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
+from twell.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

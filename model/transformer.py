@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
-from model.ffn import FFNStats, ReLUGatedFFN
-from model.layers import Attention, RMSNorm, rope_cos_sin
+from twell.model.config import ModelConfig
+from twell.model.ffn import FFNStats, ReLUGatedFFN
+from twell.model.layers import Attention, RMSNorm, rope_cos_sin
 
 
 @dataclass
@@ -123,8 +123,8 @@ class Transformer(nn.Module):
         densely on tensor cores in the TwELL inference kernels (kernels.twell_ffn_inference's
         hot_prefix; 0 reorders only). The model's function is unchanged. Returns, per layer, the share
         of the calibration tokens' active units that fall in the prefix."""
-        from kernels import unit_order
-        from kernels._common import check_hot_prefix
+        from twell.kernels import unit_order
+        from twell.kernels._common import check_hot_prefix
 
         hot_prefix = check_hot_prefix(hot_prefix, self.cfg.d_ff)
         _, _, layer_stats = self._decoder(tokens, with_stats=True)

@@ -17,15 +17,12 @@ bench_ffn.py's format (several layers: PATH's stem + .layerNN.pt).
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from data import DataConfig, load_tokenizer  # noqa: E402
-from eval.activity import (  # noqa: E402
+from twell.data import DataConfig, load_tokenizer
+from twell.eval.activity import (
     ActivityMeter,
     batches_of,
     dump_ffn_inputs,
@@ -34,7 +31,7 @@ from eval.activity import (  # noqa: E402
     text_sequences,
     validation_rows,
 )
-from eval.load import (  # noqa: E402
+from twell.eval.load import (
     find_run_config,
     is_hf_folder,
     latest_step_dir,

@@ -13,17 +13,14 @@ layer and the HBM rate each reaches on w's bytes (the copy: read + written), and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
+from bench_ffn import timed_layers, write_results
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import twell_gate  # noqa: E402
-from kernels.inference import DECODE_SLOTS, DECODE_TILE_N  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from scripts.bench_ffn import timed_layers, write_results  # noqa: E402
+from twell.kernels import twell_gate
+from twell.kernels.inference import DECODE_SLOTS, DECODE_TILE_N
+from twell.kernels.synthetic import paper_like_ffn_inputs
 
 
 def _ops(x, ws, dst) -> dict:

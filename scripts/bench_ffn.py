@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import twell_ffn_inference, twell_gate  # noqa: E402
-from kernels.gate import count_fires, relu_gate_bits, twell_gate_hot  # noqa: E402
-from kernels.inference import (  # noqa: E402
+from twell.kernels import twell_ffn_inference, twell_gate
+from twell.kernels.gate import count_fires, relu_gate_bits, twell_gate_hot
+from twell.kernels.inference import (
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,
     DECODE_TILE_N,
@@ -46,9 +43,9 @@ from kernels.inference import (  # noqa: E402
     default_fused_tokens,
     unit_order,
 )
-from kernels.prefix import gated_up  # noqa: E402
-from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
+from twell.kernels.prefix import gated_up
+from twell.kernels.reference import relu_ffn_inference as dense_ffn
+from twell.kernels.synthetic import paper_like_ffn_inputs
 
 GRAPH_MAX_TOKENS = 64
 CALIBRATION_ROWS = 4096  # untimed rows that order the units for --hot-prefix
@@ -381,7 +378,7 @@ def main(argv=None):
         sys.exit("bench_ffn.py needs a CUDA GPU")
     if args.mode == "train":
         try:
-            from scripts.bench_train import run_train_bench
+            from bench_train import run_train_bench
         except ImportError as e:
             sys.exit(f"--mode train needs scripts/bench_train.py (run_train_bench), not available: {e}")
         rows = run_train_bench(args)
@@ -393,7 +390,7 @@ def main(argv=None):
         rows, profiles = [], []
         if args.activations:
             # The dump's loader (and its checks: keys, layouts, shapes, each error naming the fix).
-            from scripts.bench_train import BadActivations, load_activations
+            from bench_train import BadActivations, load_activations
 
             try:
                 inputs = load_activations(args.activations, dtype=torch.bfloat16, device="cuda")

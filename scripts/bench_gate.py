@@ -16,14 +16,12 @@ persistent, n128) are gone; git history has them. Default shapes 131072 and 1638
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
+from bench_ffn import write_results
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.gate import (  # noqa: E402
+from twell.kernels.gate import (
     _TUNED,
     PERSISTENT_CONFIGS,
     _launch_gemm,
@@ -39,8 +37,7 @@ from kernels.gate import (  # noqa: E402
     set_gate_variant,
     twell_gate_hot,
 )
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from scripts.bench_ffn import write_results  # noqa: E402
+from twell.kernels.synthetic import paper_like_ffn_inputs
 
 VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default, compact)
     ("tma", False, "counts", None, None, None, None),

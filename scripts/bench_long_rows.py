@@ -28,18 +28,10 @@ step's own error or 1e-2, bench_train.py's tolerance).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import train_rowfwd, twell_ffn_inference  # noqa: E402
-from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import hot_units_for  # noqa: E402
-from scripts.bench_ffn import (  # noqa: E402
+from bench_ffn import (
     CALIBRATION_ROWS,
     calibrated_order,
     kernel_times,
@@ -47,7 +39,7 @@ from scripts.bench_ffn import (  # noqa: E402
     timed,
     write_results,
 )
-from scripts.bench_train import (  # noqa: E402
+from bench_train import (
     _errors,
     _step,
     _twell_y_l1,
@@ -56,6 +48,11 @@ from scripts.bench_train import (  # noqa: E402
     prepare_step,
     within_tolerance,
 )
+
+from twell.kernels import train_rowfwd, twell_ffn_inference
+from twell.kernels.reference import relu_ffn_inference as dense_ffn
+from twell.kernels.synthetic import paper_like_ffn_inputs
+from twell.kernels.train import hot_units_for
 
 SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
 

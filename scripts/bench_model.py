@@ -34,16 +34,12 @@ import contextlib
 import copy
 import functools
 import math
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from model import ModelConfig, Transformer  # noqa: E402
-from model.calibrate import calibrate_activity  # noqa: E402
+from twell.model import ModelConfig, Transformer
+from twell.model.calibrate import calibrate_activity
 
 MODES = ("infer", "train")
 # Hidden states after the whole bf16 stack: per-layer rounding adds up (H200, 8 / 38 layers: compiled
@@ -183,7 +179,7 @@ def bench_inference(
 
 
 def _compile_blocks(model: Transformer) -> None:
-    from training.trainer import apply_block_wrappers
+    from twell.training.trainer import apply_block_wrappers
 
     apply_block_wrappers(model, activation_checkpointing=False, compile_blocks=True)
 
@@ -198,9 +194,9 @@ def bench_train(
 ) -> list[dict]:
     """Optimizer steps of copies of `model` (fp32 weights, bf16 autocast on CUDA), one row per
     (name, impl, compile, graph) variant, each from the same weights and a fresh optimizer."""
-    from training.config import OptimConfig
-    from training.optim import build_optimizer
-    from training.trainer import micro_loss
+    from twell.training.config import OptimConfig
+    from twell.training.optim import build_optimizer
+    from twell.training.trainer import micro_loss
 
     rows = []
     for name, impl, compile_blocks, graph in variants:
@@ -222,7 +218,7 @@ def bench_train(
         loss_fn = functools.partial(micro_loss, net, autocast)  # the trainer's own
         graphed = None
         if graph:
-            from training.cuda_graph import GraphedMicroStep
+            from twell.training.cuda_graph import GraphedMicroStep
 
             graphed = GraphedMicroStep(params, loss_fn, 1, device)
         last = {}  # the latest step's activity statistics
@@ -256,7 +252,7 @@ def bench_train(
 def _train_step(loss_fn, graphed, optimizer, params, ids, labels, l1_coef, routing, last) -> None:
     """One optimizer step: replayed from the graph when there is one (an eager redo after a capacity
     miss, as the trainer does), clipped at 1.0, AdamW."""
-    from training.trainer import clip_grad_norm
+    from twell.training.trainer import clip_grad_norm
 
     replayed = graphed.run_step([(ids, labels)], l1_coef, routing) if graphed is not None else None
     if replayed is None:
@@ -312,12 +308,12 @@ def format_table(rows: list[dict]) -> str:
 def build_model(args, device: torch.device) -> tuple[Transformer, object | None]:
     """(model in fp32 on device, its tokenizer or None): a checkpoint, or a preset at its init."""
     if args.checkpoint:
-        from eval.load import load_for_eval
+        from twell.eval.load import load_for_eval
 
         net, tokenizer_name = load_for_eval(args.checkpoint, preset=args.model if args.model_given else None)
         tokenizer = None
         if args.file:
-            from data import load_tokenizer
+            from twell.data import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_name)
         return net.to(device), tokenizer
@@ -464,7 +460,7 @@ def main(argv=None) -> list[dict]:
     bad = [r["variant"] for r in rows if r["max_row_err"] is not None and r["max_row_err"] > ROW_TOLERANCE]
     if bad:
         print(f"WARNING: hidden-state row error above {ROW_TOLERANCE} in {bad}")
-    from scripts.bench_ffn import write_results
+    from bench_ffn import write_results
 
     write_results(
         args.out,

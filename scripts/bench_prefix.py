@@ -15,18 +15,15 @@ per row, < 1e-2 both).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
+from bench_ffn import CALIBRATION_ROWS, calibrated_order, row_errors, timed, write_results
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import prefix, twell_ffn_inference  # noqa: E402
-from kernels.gate import relu_gate_bits  # noqa: E402
-from kernels.reference import relu_ffn_inference as dense_ffn  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from scripts.bench_ffn import CALIBRATION_ROWS, calibrated_order, row_errors, timed, write_results  # noqa: E402
+from twell.kernels import prefix, twell_ffn_inference
+from twell.kernels.gate import relu_gate_bits
+from twell.kernels.reference import relu_ffn_inference as dense_ffn
+from twell.kernels.synthetic import paper_like_ffn_inputs
 
 LOADS = ("ptr", "tma")
 

@@ -29,11 +29,9 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels._common import check_ffn_args  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
-from kernels.train import (  # noqa: E402
+from twell.kernels._common import check_ffn_args
+from twell.kernels.synthetic import paper_like_ffn_inputs
+from twell.kernels.train import (
     BACKWARD_VARIANTS,
     SIZES,
     set_backward_variant,
@@ -185,7 +183,7 @@ def graphed_step(fn, leaves, grad_y, ref, rep: int, twell: bool) -> dict:
     and, for TwELL, static_misses (calls whose fixed entry capacity did not hold: must be 0).
     TwELL warms up at its static sizes first (the capture takes them; autotuning cannot run inside a
     capture)."""
-    from kernels.train import static_misses
+    from twell.kernels.train import static_misses
 
     device = leaves[0].device
     if twell:
@@ -291,7 +289,7 @@ def mark_ok(rows: list[dict]) -> None:
 
 def _profile(leaves, grad_y, variant: str, hot: int = 0) -> list[dict]:
     """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
-    from scripts.bench_ffn import kernel_times, print_kernel_times
+    from bench_ffn import kernel_times, print_kernel_times
 
     set_backward_variant(variant)
     kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))

@@ -31,11 +31,10 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from twell.data.token_shards import ShardWriter, token_dtype, write_manifest
+from twell.data.tokenizer import train_bpe_tokenizer
 
-from data.token_shards import ShardWriter, token_dtype, write_manifest  # noqa: E402
-from data.tokenizer import train_bpe_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGES = ["dict-gcide", "dict-wn", "dict-foldoc", "dict-jargon", "dict-devil", "perl-doc", "git-doc",
             "debian-reference-en", "fortunes"]  # fmt: skip
@@ -200,7 +199,7 @@ def main() -> None:
         tokenizer_path = str(tmp / "tokenizer")
     else:
         tokenizer_name = tokenizer_path = args.tokenizer
-    from data import load_tokenizer
+    from twell.data import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     backend = tokenizer.backend_tokenizer

@@ -17,12 +17,10 @@ offline_tasks (that folder), tokenizer, ffn_impl, and any ModelConfig field as a
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from data import load_tokenizer  # noqa: E402
-from eval.load import load_for_eval, parse_settings  # noqa: E402
+from twell.data import load_tokenizer
+from twell.eval.load import load_for_eval, parse_settings
 
 SCRIPT_KEYS = {"checkpoint", "model", "tokenizer", "tasks", "limit", "batch_size", "device", "out", "offline"}
 SCRIPT_KEYS |= {"offline_tasks"}
@@ -31,7 +29,7 @@ SCRIPT_KEYS |= {"offline_tasks"}
 def main(argv=None) -> None:
     words = sys.argv[1:] if argv is None else argv
     options, overrides = parse_settings(words, SCRIPT_KEYS, f"\n\n{__doc__}")
-    from eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
+    from twell.eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
 
     offline = {"auto": None, "true": True, "false": False}.get(options.get("offline", "auto").lower())
     limit = options.get("limit")
@@ -54,7 +52,7 @@ def main(argv=None) -> None:
         offline=offline,
         offline_dir=options.get("offline_tasks"),
     )
-    from eval.report import save_results
+    from twell.eval.report import save_results
 
     checkpoint = Path(options["checkpoint"])
     default_out = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval_results.json"

@@ -12,6 +12,12 @@ if [ -d .whl ] && ! python3 -c "import hydra, datasets" >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+if ! python3 -c "import twell.kernels" >/dev/null 2>&1; then
+  # Not installed (a bare node): the twell namespace as links to this checkout's folders.
+  mkdir -p /tmp/twell_ns/twell
+  for part in kernels model data training eval; do ln -sfn "$PWD/$part" "/tmp/twell_ns/twell/$part"; done
+  export PYTHONPATH=/tmp/twell_ns:${PYTHONPATH:-}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -12,11 +12,8 @@ config and, with out=, saves {"config": ModelConfig fields, "model": state_dict}
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 
 def _words(argv: list[str]) -> dict:
@@ -35,9 +32,9 @@ def main(argv=None) -> None:
         raise SystemExit(__doc__)
     args = _words(argv[1:])
     if argv[0] == "export":
-        from data import load_tokenizer
-        from eval.load import load_for_eval
-        from model.hf_io import export_hf
+        from twell.data import load_tokenizer
+        from twell.eval.load import load_for_eval
+        from twell.model.hf_io import export_hf
 
         for key in ("checkpoint", "out"):
             if key not in args:
@@ -51,7 +48,7 @@ def main(argv=None) -> None:
             f"wrote {out} (LlamaForCausalLM, hidden_act=relu, {net.cfg.num_params() / 1e6:.1f}M parameters)"
         )
     else:
-        from model.hf_io import import_hf
+        from twell.model.hf_io import import_hf
 
         if "path" not in args:
             raise SystemExit(f"error: import needs path=<HF folder>\n\n{__doc__}")

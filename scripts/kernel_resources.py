@@ -22,9 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import train_rowfwd as rf  # noqa: E402
+from twell.kernels import train_rowfwd as rf
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 REGS_PER_SM = 65536

@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: works on machines without a display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 PANELS = (
     ("active_mean", "active units / token (mean)", True),

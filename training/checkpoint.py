@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from training.distributed import DistInfo, any_rank, barrier
+from twell.training.distributed import DistInfo, any_rank, barrier
 
 log = logging.getLogger(__name__)
 

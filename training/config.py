@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from data import DataConfig
-from model import ModelConfig
-from training.schedule import SCHEDULES
+from twell.data import DataConfig
+from twell.model import ModelConfig
+from twell.training.schedule import SCHEDULES
 
 PARALLEL_MODES = ("ddp", "fsdp")
 

@@ -74,7 +74,7 @@ class GraphedMicroStep:
         world_size: int = 1,
         stream: torch.cuda.Stream | None = None,
     ):
-        import kernels.train as kt  # CUDA only: triton is there
+        import twell.kernels.train as kt  # CUDA only: triton is there
 
         self._kt = kt
         self.params, self.loss_fn, self.grad_accum, self.device = params, loss_fn, grad_accum, device

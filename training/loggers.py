@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from training.config import LoggingConfig
+from twell.training.config import LoggingConfig
 
 log = logging.getLogger(__name__)
 

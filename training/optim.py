@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from training.config import OptimConfig
-from training.schedule import lr_factor
+from twell.training.config import OptimConfig
+from twell.training.schedule import lr_factor
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:

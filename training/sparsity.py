@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from training.config import SparsityConfig
-from training.distributed import all_reduce_
+from twell.training.config import SparsityConfig
+from twell.training.distributed import all_reduce_
 
 
 def l1_coef_at(step: int, cfg: SparsityConfig) -> float:

@@ -31,13 +31,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
-from training.config import JobConfig
-from training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
-from training.loggers import RunLogger
-from training.metrics import mfu, peak_flops, peak_memory_gib
-from training.optim import build_optimizer, set_lr
-from training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
+from twell.training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
+from twell.training.config import JobConfig
+from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
+from twell.training.loggers import RunLogger
+from twell.training.metrics import mfu, peak_flops, peak_memory_gib
+from twell.training.optim import build_optimizer, set_lr
+from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Trainer:
         )
         self.graphed = None
         if tcfg.cuda_graph:
-            from training.cuda_graph import GraphedMicroStep
+            from twell.training.cuda_graph import GraphedMicroStep
 
             params = [p for p in self.model.parameters() if p.requires_grad]
             # The plain model, never the DDP wrapper: the graph holds no collective (the gradients are

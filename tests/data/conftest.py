@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import load_tokenizer
-from data.token_shards import ShardWriter, write_manifest
+from twell.data import load_tokenizer
+from twell.data.token_shards import ShardWriter, write_manifest
 
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "an", "el", "or", "ix", "um", "pe", "qu"]
 

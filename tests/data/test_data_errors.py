@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from data import DataConfig, build_train_stream, build_val_stream, load_tokenizer
+from twell.data import DataConfig, build_train_stream, build_val_stream, load_tokenizer
 
 
 def build(cfg, tokenizer):

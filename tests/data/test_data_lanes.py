@@ -4,7 +4,7 @@ so one process with gradient accumulation sees what several data-parallel proces
 import pytest
 import torch
 
-from data import DataConfig, build_train_stream
+from twell.data import DataConfig, build_train_stream
 
 
 def global_batches(cfg, tokenizer, world_size, grad_accum, steps, **kw):

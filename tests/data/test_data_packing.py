@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import DataConfig, build_train_stream
-from data.packing import LaneBuffer
+from twell.data import DataConfig, build_train_stream
+from twell.data.packing import LaneBuffer
 
 
 def expected_tokens(docs, tokenizer):

@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from data import DataConfig, build_train_stream
+from twell.data import DataConfig, build_train_stream
 
 
 def roundtrip(state):

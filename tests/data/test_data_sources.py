@@ -4,7 +4,7 @@ and a pre-tokenized shard corpus; held-out data is separate from training data."
 import pytest
 import torch
 
-from data import DataConfig, build_train_stream, build_val_stream, held_out_texts
+from twell.data import DataConfig, build_train_stream, build_val_stream, held_out_texts
 
 
 def first_batches(cfg, tokenizer, n=8, **kw):

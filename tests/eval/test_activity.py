@@ -2,13 +2,13 @@
 known pattern, the dump against the FFN it came from, the CLI end to end, and its errors."""
 
 import json
-import sys
 from pathlib import Path
 
+import activity as activity_cli  # scripts/, on sys.path through tests/conftest.py
 import pytest
 import torch
 
-from eval.activity import (
+from twell.eval.activity import (
     BENCH_KEYS,
     ActivityMeter,
     batches_of,
@@ -17,12 +17,10 @@ from eval.activity import (
     position_buckets,
     text_sequences,
 )
-from kernels import reference
-from model import ModelConfig, Transformer
+from twell.kernels import reference
+from twell.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from scripts import activity as activity_cli  # noqa: E402
 
 VOCAB, D_MODEL, D_FF, LAYERS, SEQ_LEN = 48, 64, 128, 3, 40
 
@@ -195,7 +193,7 @@ def test_dump_of_all_layers_writes_one_file_each(tmp_path):
 
 
 def test_cli_on_an_hf_folder_matches_the_meter(tmp_path, tiny_tokenizer, capsys):
-    from model.hf_io import export_hf
+    from twell.model.hf_io import export_hf
 
     cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=64)
     net = Transformer(cfg)
@@ -243,7 +241,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, tiny_tokenizer):
 
     net = Transformer(ModelConfig(vocab_size=100, d_model=64, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16))
     folder = tmp_path / "hf"
-    from model.hf_io import export_hf
+    from twell.model.hf_io import export_hf
 
     export_hf(net, tiny_tokenizer, folder)  # vocab 100 < the tokenizer's 512: a mismatched pair
     with pytest.raises(SystemExit, match="layer 7 is out of range"):

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
-from model.hf_io import export_hf, import_hf
+from twell.model import ModelConfig, Transformer
+from twell.model.hf_io import export_hf, import_hf
 
 
 def hf_logits(folder, tokens):

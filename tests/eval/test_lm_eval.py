@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[eval])")
 
-from eval.lm_eval_adapter import TwellLM, run_lm_eval  # noqa: E402
-from eval.tasks import PAPER7, resolve_tasks  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
+from twell.eval.lm_eval_adapter import TwellLM, run_lm_eval  # noqa: E402
+from twell.eval.tasks import PAPER7, resolve_tasks  # noqa: E402
+from twell.model import ModelConfig, Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval import bytes_per_token, validation_loss
-from model import ModelConfig, Transformer
+from twell.eval import bytes_per_token, validation_loss
+from twell.model import ModelConfig, Transformer
 
 
 def test_validation_loss_and_bpb_against_hand_computation():

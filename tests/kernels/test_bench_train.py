@@ -6,19 +6,17 @@ file and the fix. The timed run itself needs a GPU."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_train  # scripts/, on sys.path through tests/conftest.py
 import pytest
 import torch
 
-from eval.activity import ActivityMeter, dump_ffn_inputs
-from kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
-from model import ModelConfig, Transformer
+from twell.eval.activity import ActivityMeter, dump_ffn_inputs
+from twell.kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
+from twell.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from scripts import bench_train  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M, D, F, LAYER = 40, 64, 128, 1

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels import decode_fused, twell_ffn_inference
-from kernels.synthetic import (
+from twell.kernels import decode_fused, twell_ffn_inference
+from twell.kernels.synthetic import (
     make_rows_dense,
     make_rows_heavy_tailed,
     make_rows_silent,
@@ -107,7 +107,7 @@ def test_inference_at_paper_size(hot, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [65, 16384])
 def test_hot_prefix_at_paper_size(M):
-    from kernels import unit_order
+    from twell.kernels import unit_order
 
     x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
     make_rows_dense(x, [M // 2])
@@ -141,7 +141,7 @@ def test_split_rows_are_summed_by_their_last_program(path, poisoned_empty):
     """split > 1: each program of a row stores a partial and the last one to take the row's ticket
     adds them up. The tickets start at zero whichever gate path runs (the fused gate kernel zeroes
     them; the two-kernel path fills them first): poisoned memory would leave rows unwritten."""
-    from kernels.gate import set_gate_variant
+    from twell.kernels.gate import set_gate_variant
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(67, 64, 192, torch.bfloat16, seed)
@@ -208,7 +208,7 @@ def test_csr_schedule_matches_reference_on_hard_patterns(hot, M, D, F, dtype, po
     """schedule "csr": the bitmask CSR walked by the row kernel; dense, silent and heavy-tailed rows
     and an always-firing tile (a dense row is a long row). These small batches hold more positives
     than the CSR's capacity (32 slots a row at these d_ff): the rows past it are read from h."""
-    import kernels.inference as ki
+    import twell.kernels.inference as ki
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
@@ -227,7 +227,7 @@ def test_csr_schedule_matches_reference_on_hard_patterns(hot, M, D, F, dtype, po
 def test_csr_positives_past_the_capacity_are_read_from_h(hot, monkeypatch, poisoned_empty):
     """A CSR far too small for the batch: rows (and the tail of a row) past its slots are walked from
     the dense h by the row kernel, exactly, and counted in overflow_rows."""
-    import kernels.inference as ki
+    import twell.kernels.inference as ki
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
@@ -247,7 +247,7 @@ def test_hot_prefix_matches_reference_on_hard_patterns(P, ordered, poisoned_empt
     """hot_prefix=P: the first P units dense from h, the rest through the CSR (whose capacity these
     small batches overflow: the h walk must skip the prefix). Exact whatever the order (ordered:
     units stored most-firing first, as a model would after calibration; P = d_ff: all dense)."""
-    from kernels import unit_order
+    from twell.kernels import unit_order
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
@@ -272,7 +272,7 @@ def test_hot_prefix_rejects_bad_values():
     with pytest.raises(ValueError, match="hot_prefix=64 needs schedule='csr'"):
         twell_ffn_inference(x, w, w, w, hot_prefix=64, schedule="row")
     with pytest.raises(ValueError, match=r"fires must be per-unit counts \[d_ff\]"):
-        from kernels import unit_order
+        from twell.kernels import unit_order
 
         unit_order(torch.ones(2, 3))
 
@@ -286,7 +286,7 @@ def test_csr_schedule_rejects_twell_options():
 def test_decode_split_default_and_override():
     """The consumer's programs per row at decode sizes: 16 from 4 to 48 tokens, 8 otherwise (H200
     measurements in kernels.inference.decode_split); set_decode_split pins one, None restores it."""
-    from kernels.inference import decode_split, set_decode_split
+    from twell.kernels.inference import decode_split, set_decode_split
 
     assert [decode_split(M) for M in (1, 2, 3, 4, 16, 48, 49, 64)] == [8, 8, 8, 16, 16, 16, 8, 8]
     set_decode_split(32)
@@ -393,7 +393,7 @@ def test_fused_rejects_what_it_cannot_take():
 
 def _count_fused_calls(monkeypatch) -> list[int]:
     """The token counts of the calls that reach the fused kernel from here on (they still run)."""
-    from kernels import inference
+    from twell.kernels import inference
 
     calls = []
     real = inference.fused_ffn_decode
@@ -405,7 +405,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
     """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel; past it, with a TwELL
     option, or under torch.use_deterministic_algorithms(True) the row schedule (and an explicit
     schedule='fused' is refused there, naming the fix)."""
-    from kernels import inference
+    from twell.kernels import inference
 
     monkeypatch.setattr(inference, "DEFAULT_FUSED_TOKENS", 2)
     x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(3, 64, 192, dtype=torch.bfloat16, seed=5))
@@ -430,7 +430,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
 def test_default_fused_bound_grows_with_d_ff(monkeypatch):
     """From WIDE_FUSED_D_FF units the default call takes the fused kernel up to WIDE_FUSED_TOKENS tokens
     (measured on the H200: d_ff 8192 at 4 tokens), below it up to DEFAULT_FUSED_TOKENS."""
-    from kernels import inference
+    from twell.kernels import inference
 
     assert inference.default_fused_tokens(5632) == 2 and inference.default_fused_tokens(8192) == 4
     monkeypatch.setattr(inference, "WIDE_FUSED_D_FF", 256)  # the rule at CPU-test widths
@@ -486,7 +486,7 @@ def test_fused_replays_in_a_cuda_graph(M):
 @pytest.mark.parametrize("M", [1, 2, 8])
 def test_fused_at_paper_shapes(M):
     """d 2048, d_ff 5632 and 8192 (88 / 128 programs), paper-like rows plus a fully dense one."""
-    from kernels.synthetic import make_rows_dense
+    from twell.kernels.synthetic import make_rows_dense
 
     for F in (5632, 8192):
         x, wg, wu, wd = paper_like_ffn_inputs(M, 2048, F, device="cuda", seed=M + F)

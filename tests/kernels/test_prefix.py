@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels import prefix
-from kernels.prefix import gated_up
+from twell.kernels import prefix
+from twell.kernels.prefix import gated_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

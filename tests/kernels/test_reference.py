@@ -1,7 +1,7 @@
 import torch
 
-from kernels import reference
-from kernels.synthetic import make_rows_dense, make_rows_silent, paper_like_ffn_inputs
+from twell.kernels import reference
+from twell.kernels.synthetic import make_rows_dense, make_rows_silent, paper_like_ffn_inputs
 
 
 def _rand(M, D, F, seed):

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from scripts.kernel_resources import BIN
+from kernel_resources import BIN  # scripts/, on sys.path through tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_row_kernel_configs_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "kernel_resources.py"), "--check"],
         env=env, capture_output=True, text=True, timeout=600,

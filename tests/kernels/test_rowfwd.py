@@ -9,7 +9,7 @@ two listed, and the other two stay with their own programs.
 import pytest
 import torch
 
-from kernels import train_rowfwd as rf
+from twell.kernels import train_rowfwd as rf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = (0, 1, 5, 19, 9, 0, 13, 4)  # entries per row

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.train as kt
-from model import ModelConfig, Transformer
+import twell.kernels.train as kt
+from twell.model import ModelConfig, Transformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

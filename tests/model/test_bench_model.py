@@ -6,20 +6,19 @@ numbers are in docs/results."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_model  # scripts/, on sys.path through tests/conftest.py
+import plot_bench_model
 import pytest
 import torch
 
-from data.tokenizer import train_bpe_tokenizer
-from model import ModelConfig, Transformer
-from model.calibrate import calibrate_activity
-from model.hf_io import export_hf
+from twell.data.tokenizer import train_bpe_tokenizer
+from twell.model import ModelConfig, Transformer
+from twell.model.calibrate import calibrate_activity
+from twell.model.hf_io import export_hf
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from scripts import bench_model, plot_bench_model  # noqa: E402
 
 SMALL = ["--device", "cpu", "--seq-len", "32", "--seconds", "0", "--warmup", "1", "--min-iters", "1"]
 

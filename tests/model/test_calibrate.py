@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.synthetic import unit_firing_rates
-from model import ModelConfig, Transformer
-from model.calibrate import calibrate_activity
+from twell.kernels.synthetic import unit_firing_rates
+from twell.model import ModelConfig, Transformer
+from twell.model.calibrate import calibrate_activity
 
 D_FF, MEAN_ACTIVE = 512, 10.0
 

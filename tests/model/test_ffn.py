@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-import model.ffn as ffn_module
-from model import ModelConfig, ReLUGatedFFN, Transformer
+import twell.model.ffn as ffn_module
+from twell.model import ModelConfig, ReLUGatedFFN, Transformer
 
 
 def hand_ffn(x, w_gate, w_up, w_down):
@@ -98,25 +98,16 @@ def test_twell_without_cuda_or_interpreter_uses_the_reference_path(monkeypatch):
     torch.testing.assert_close(twell(tokens).logits, dense(tokens).logits)
 
 
-def _kernels_ready():
-    try:
-        import kernels
-    except ImportError:
-        return False
-    return hasattr(kernels, "twell_ffn") and hasattr(kernels, "twell_ffn_inference")
-
-
-@pytest.mark.skipif(not _kernels_ready(), reason="kernels.twell_ffn not available yet")
 @pytest.mark.parametrize("hot_units", [None, 16])
 def test_twell_path_matches_dense_outputs_l1_stats_and_grads(hot_units, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    import kernels.train
+    import twell.kernels.train as kt
 
     taken = []  # hot units each training call used: the config must reach the kernel
-    choose = kernels.train.hot_units_for
-    monkeypatch.setattr(kernels.train, "hot_units_for", lambda *a: taken.append(choose(*a)) or taken[-1])
+    choose = kt.hot_units_for
+    monkeypatch.setattr(kt, "hot_units_for", lambda *a: taken.append(choose(*a)) or taken[-1])
     base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128)
     dense = Transformer(ModelConfig(**base, ffn_impl="dense")).to(device)
     twell = Transformer(ModelConfig(**base, ffn_impl="twell", twell_hot_units=hot_units)).to(device)
@@ -136,7 +127,6 @@ def test_twell_path_matches_dense_outputs_l1_stats_and_grads(hot_units, monkeypa
         torch.testing.assert_close(twell(tokens, with_stats=False).logits, a.logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not _kernels_ready(), reason="kernels.twell_ffn not available yet")
 def test_twell_entry_count_history_is_keyed_by_the_parameter_under_autocast():
     """Under autocast the model hands its fp32 parameters to twell_ffn (which casts them), so the
     layer's entry-count history is found again on the next step: a per-call cast copy as the key
@@ -144,7 +134,7 @@ def test_twell_entry_count_history_is_keyed_by_the_parameter_under_autocast():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    import kernels.train
+    import twell.kernels.train as kt
 
     torch.manual_seed(0)
     ffn = ReLUGatedFFN(64, 128, impl="twell").to(device)
@@ -159,5 +149,5 @@ def test_twell_entry_count_history_is_keyed_by_the_parameter_under_autocast():
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     assert ffn.w_gate.grad is not None and ffn.w_gate.grad.dtype == torch.float32
-    history = kernels.train._capacities.get(ffn.w_gate)
+    history = kt._capacities.get(ffn.w_gate)
     assert history is not None and (16, 0) in history, "history not keyed by the layer's w_gate"

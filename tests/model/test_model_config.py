@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from twell.model import ModelConfig, Transformer
 
 PAPER_SIZES = {"0.5b": 0.51e9, "1b": 1.03e9, "1.5b": 1.54e9, "2b": 2.05e9}
 

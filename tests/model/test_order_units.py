@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.transformer import Transformer
+from twell.model.config import ModelConfig
+from twell.model.transformer import Transformer
 
 
 def _model(impl: str) -> Transformer:

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ModelConfig, Transformer
+from twell.model import ModelConfig, Transformer
 
 
 def small_cfg(**overrides):

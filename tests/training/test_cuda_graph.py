@@ -9,9 +9,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import compose_job, tiny_overrides
-
-import train
+from trainer_helpers import compose_job, tiny_overrides, train
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,7 +28,7 @@ def test_cuda_graph_needs_a_cuda_device(offline_data, tmp_path):
 
 def test_cuda_graph_under_torchrun_needs_ddp():
     """Several processes: DDP's gradient average runs after the replays; FSDP2 is refused with the fix."""
-    from training.trainer import check_cuda_graph_support
+    from twell.training.trainer import check_cuda_graph_support
 
     cuda = torch.device("cuda", 0)  # only its type is checked
     check_cuda_graph_support(cuda, 2, "ddp")
@@ -42,7 +40,7 @@ def test_ddp_static_gradients_are_views_into_one_flat_buffer_per_dtype():
     """Under DDP the graph's gradients live in one flat buffer per dtype (one all-reduce each): every
     parameter's .grad is a zeroed view into it, kept across captures, made anew once a .grad was
     replaced (as an eager redo may); in one process each parameter keeps a tensor of its own."""
-    from training.cuda_graph import GraphedMicroStep
+    from twell.training.cuda_graph import GraphedMicroStep
 
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.float32)
     net[1].bias.data = net[1].bias.data.double()  # a second dtype
@@ -101,7 +99,7 @@ def test_graphed_steps_match_eager_steps(offline_data, tmp_path, ffn_impl):
 def test_a_capacity_miss_redoes_the_step_eagerly(offline_data, tmp_path, monkeypatch):
     """Capacities far below the entry count: every graphed step misses, is redone eagerly and the
     graph is captured again with twice the headroom; the losses are the eager run's."""
-    import kernels.train as kt
+    import twell.kernels.train as kt
 
     steps = 3
     extra = (*SIZES, "model.ffn_impl=twell")
@@ -120,7 +118,7 @@ def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypa
     """Every model.twell_check_interval steps the graph's TwELL capacities are compared with the last
     replay's entry counts; an oversized one (here: every check says so) is captured anew at the next
     step, and training goes on as the eager run."""
-    import kernels.train as kt
+    import twell.kernels.train as kt
 
     steps = 6
     extra = (*SIZES, "model.ffn_impl=twell", "model.twell_check_interval=2")
@@ -146,8 +144,8 @@ def _ddp_rank(rank: int, port: int, overrides: list[str], out: str, shared_gpu: 
     )  # fmt: skip
     import torch.distributed as dist
 
-    import kernels.train as kt
-    from training.distributed import destroy
+    import twell.kernels.train as kt
+    from twell.training.distributed import destroy
 
     if shared_gpu:  # NCCL wants a GPU per rank; init_distributed keeps a group that already exists
         torch.cuda.set_device(0)

@@ -5,11 +5,10 @@ import re
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
-from trainer_helpers import compose_cfg, compose_job, run_cli, tiny_overrides
+from trainer_helpers import compose_cfg, compose_job, run_cli, tiny_overrides, train
 
-import train
-from model import PRESETS, ModelConfig
-from training.config import JobConfig, TrainConfig
+from twell.model import PRESETS, ModelConfig
+from twell.training.config import JobConfig, TrainConfig
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
-from training.config import OptimConfig
-from training.optim import build_optimizer, set_lr
-from training.schedule import lr_factor
+from twell.model import ModelConfig, Transformer
+from twell.training.config import OptimConfig
+from twell.training.optim import build_optimizer, set_lr
+from twell.training.schedule import lr_factor
 
 
 def test_warmup_then_cosine_to_zero():

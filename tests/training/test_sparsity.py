@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_helpers import ROOT, compose_job, run_job, tiny_overrides
+from trainer_helpers import ROOT, compose_job, run_job, tiny_overrides, train
 
-import train
-from model import ActivityStats
-from training.config import SparsityConfig
-from training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
+from twell.model import ActivityStats
+from twell.training.config import SparsityConfig
+from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 
 def stats(

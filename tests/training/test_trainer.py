@@ -15,11 +15,10 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import ROOT, compose_job, run_cli, run_job, tiny_overrides
+from trainer_helpers import ROOT, compose_job, run_cli, run_job, tiny_overrides, train
 
-import train
-from training.checkpoint import MARKER, Checkpointer, CheckpointError
-from training.distributed import DistInfo
+from twell.training.checkpoint import MARKER, Checkpointer, CheckpointError
+from twell.training.distributed import DistInfo
 
 
 def losses(records: list[dict]) -> dict[int, float]:
@@ -220,8 +219,8 @@ def _trainers_on_rank(rank: int, world_size: int, port: int, overrides: list[str
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
-    from training.distributed import destroy
-    from training.trainer import Evaluator
+    from twell.training.distributed import destroy
+    from twell.training.trainer import Evaluator
 
     def build(parallel: str, name: str, steps: int, *extra: str):
         cli = [*overrides, f"train.steps={steps}", f"train.parallel={parallel}", f"run_dir={out}/{name}"]
@@ -318,7 +317,7 @@ def test_rank0_evaluation_under_fsdp_gets_a_gathered_replica(spawned_trainers):
 def test_an_fsdp_checkpoint_loads_into_one_plain_model(spawned_trainers):
     """eval.load (scripts/hf.py export, scripts/eval.py) reads an FSDP2 checkpoint into one plain
     model: DCP reassembles the shards."""
-    from eval.load import load_dcp_model
+    from twell.eval.load import load_dcp_model
 
     out, overrides, seen = spawned_trainers
     net = load_dcp_model(out / "fsdp" / "checkpoints" / "step_00000003", compose_job(overrides).model)
@@ -344,8 +343,8 @@ def test_validation_record_equals_eval_validation_loss(offline_data, tmp_path):
 
     import pyarrow.parquet as pq
 
-    from data import build_val_stream, load_tokenizer
-    from eval import validation_loss
+    from twell.data import build_val_stream, load_tokenizer
+    from twell.eval import validation_loss
 
     overrides = tiny_overrides(
         offline_data, tmp_path, 2, "eval.interval=2", "eval.val_batches=2", "eval.bpb_docs=20"

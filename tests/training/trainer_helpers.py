@@ -1,6 +1,7 @@
 """Helpers of the trainer tests: a tiny job built from the real config tree (configs/), run the way
 train.py runs it, in this process or as a subprocess (python train.py / torchrun)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,12 +10,22 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # train.py lives at the project root, outside the packages
-    sys.path.insert(0, str(ROOT))
+from twell.training.config import JobConfig
 
-import train  # noqa: E402
-from training.config import JobConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_train_entry():
+    """train.py, the entry point at the project root, loaded from its file: putting the root on sys.path
+    would make kernels/, model/, data/ and eval/ importable as top-level packages in this process."""
+    spec = importlib.util.spec_from_file_location("twell_train_entry", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _load_train_entry()
 
 
 def tiny_overrides(offline: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
@@ -63,7 +74,7 @@ def run_job(overrides: list[str]) -> list[dict]:
 
 
 def run_cli(args: list[str], torchrun: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     launcher = [sys.executable]
     if torchrun:
         # Two ranks share the two cores: one thread each.

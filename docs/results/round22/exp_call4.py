@@ -8,9 +8,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-import kernels.train as kt  # noqa: E402
-from kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
+import twell.kernels.train as kt  # noqa: E402
 from scripts.bench_train import _twell_y_l1, graphed_step, prepare_step  # noqa: E402
+from twell.kernels.synthetic import paper_like_ffn_inputs  # noqa: E402
 
 kt.set_hot_units(1024)
 kt.set_backward_variant("fused3")

@@ -1045,7 +1045,9 @@ def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.co
         p4 = tl.zeros((WB,), dtype=tl.uint32)
         for j in tl.static_range(GROUP):  # unrolled: the group's row loads are independent, issued together
             row = r0 + g0 + j
-            ok = w_ok & (row < M)
+            # ws < W on rows below M, nothing past it (a block compare: Triton 3.9's interpreter mistypes a
+            # scalar i1 broadcast into `w_ok & (row < M)`)
+            ok = ws < tl.where(row < M, W, 0)
             w = tl.load(bits_ptr + row.to(tl.int64) * W + ws, mask=ok, other=0).to(tl.uint32, bitcast=True)
             carry = p0 & w
             p0 = p0 ^ w

@@ -24,6 +24,15 @@ def _choice(name: str, value: str, choices: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not one of {choices}; set {name}=<one of them>")
 
 
+def _auto_bool(name: str, value) -> str:
+    """ "auto" | "true" | "false" from a bool or a string of any case (YAML and the command line give
+    bools for true/false; a str field stores them as "True"/"False")."""
+    text = str(value).lower()
+    if text not in ("auto", "true", "false"):
+        raise ValueError(f"{name}={value!r} must be auto, true or false")
+    return text
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
@@ -72,11 +81,14 @@ class TrainConfig:
     steps: int = 30_000  # optimizer steps of the whole run
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
-    compile: bool = False  # torch.compile each transformer block
+    # torch.compile each transformer block: auto (on a GPU, unless train.cuda_graph) | true | false
+    compile: str = "auto"
     # Replay each micro-batch's forward + backward from one CUDA graph (a GPU; one process or DDP; see
     # training/cuda_graph.py): no per-kernel host cost, which bounds an eager TwELL step.
     cuda_graph: bool = False
-    activation_checkpointing: bool = False  # recompute each block in the backward pass
+    # Recompute each block in the backward pass: auto (on a GPU when the step's memory estimate,
+    # training/memory.py, does not fit without it) | true | false
+    activation_checkpointing: str = "auto"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name
@@ -89,12 +101,16 @@ class TrainConfig:
         _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("train.parallel", self.parallel, PARALLEL_MODES)
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        self.compile = _auto_bool("train.compile", self.compile)
+        self.activation_checkpointing = _auto_bool(
+            "train.activation_checkpointing", self.activation_checkpointing
+        )
         for name in ("global_batch_tokens", "micro_batch", "seq_len", "steps"):
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
         _positive("train.peak_flops", self.peak_flops, allow_zero=True)
-        if self.cuda_graph and (self.compile or self.activation_checkpointing):
-            other = "train.compile" if self.compile else "train.activation_checkpointing"
+        if self.cuda_graph and "true" in (self.compile, self.activation_checkpointing):
+            other = "train.compile" if self.compile == "true" else "train.activation_checkpointing"
             raise ValueError(
                 f"train.cuda_graph=true does not combine with {other}=true; turn one of them off"
             )
@@ -128,7 +144,9 @@ class SparsityConfig:
     l1_warmup_steps: int = 0  # linear ramp of the coefficient from 0 to l1_coef
     reinit_dead: bool = False
     reinit_period: int = 1  # re-initialise every this many optimizer steps
-    dead_window_tokens: int = 0  # a unit is dead after this many tokens without firing; 0 = one step
+    # A unit is dead after this many tokens (all ranks) without firing, whatever the step's size: the
+    # paper's 1,048,576 is one of its steps. 0: the last optimizer step's tokens.
+    dead_window_tokens: int = 1_048_576
     reinit_lambda: float = 0.1  # W_g[j] <- (1 - lambda) W_g[j] + lambda N(0, sigma^2)
     reinit_sigma: float = 0.02
     reset_optimizer_moments: bool = False  # also zero that row's AdamW moments (paper is silent)

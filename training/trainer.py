@@ -35,6 +35,7 @@ from twell.training.checkpoint import Checkpointer, CheckpointError, capture_rng
 from twell.training.config import JobConfig
 from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
 from twell.training.loggers import RunLogger
+from twell.training.memory import GIB, choose_activation_checkpointing
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
 from twell.training.optim import build_optimizer, set_lr
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
@@ -61,6 +62,38 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         if compile_blocks:
             block.compile()
         model.layers[index] = block
+
+
+def resolve_block_wrappers(
+    job: JobConfig, device: torch.device, world_size: int, sharded: bool
+) -> tuple[bool, bool]:
+    """(activation checkpointing, torch.compile) for this run from train.activation_checkpointing and
+    train.compile ("auto" | "true" | "false").
+
+    compile auto: on a GPU, unless the step is replayed from a CUDA graph. Activation checkpointing
+    auto: on a GPU, on when the step's memory estimate (training/memory.py) does not fit the device
+    without it; never under a CUDA graph. An "auto" FFN starts dense, so it is estimated dense."""
+    tcfg, mcfg = job.train, job.model
+    on_gpu = device.type == "cuda"
+    compile_blocks = tcfg.compile == "true" or (tcfg.compile == "auto" and on_gpu and not tcfg.cuda_graph)
+    if tcfg.activation_checkpointing != "auto":
+        return tcfg.activation_checkpointing == "true", compile_blocks
+    if not on_gpu:
+        return False, compile_blocks
+    device_bytes = torch.cuda.get_device_properties(device).total_memory
+    checkpoint, without, with_ac = choose_activation_checkpointing(
+        mcfg, tcfg.micro_batch, tcfg.seq_len, device_bytes, sparse_ffn=mcfg.ffn_impl == "twell",
+        world_size=world_size, sharded=sharded,
+    )  # fmt: skip
+    if checkpoint and tcfg.cuda_graph:
+        log.warning("the step may not fit without activation checkpointing, which a CUDA graph cannot hold")
+        checkpoint = False
+    log.info(
+        "memory estimate per GPU: %s without activation checkpointing, %s with; the device has %.1f GiB: "
+        "activation checkpointing %s (train.activation_checkpointing=auto)",
+        without.describe(), with_ac.describe(), device_bytes / GIB, "on" if checkpoint else "off",
+    )  # fmt: skip
+    return checkpoint, compile_blocks
 
 
 def check_cuda_graph_support(device: torch.device, world_size: int, parallel: str = "ddp") -> None:
@@ -142,8 +175,11 @@ class Trainer:
         # The FFNs are collected before wrapping, which may hide the blocks behind a wrapper; their
         # gate weights are read at each re-init, since fully_shard replaces the parameters.
         self.ffns = [block.ffn for block in self.model.layers]
-        apply_block_wrappers(self.model, tcfg.activation_checkpointing, tcfg.compile)
         self.sharded = tcfg.parallel == "fsdp" and info.enabled
+        self.checkpoint_blocks, self.compile_blocks = resolve_block_wrappers(
+            job, self.device, info.world_size, self.sharded
+        )
+        apply_block_wrappers(self.model, self.checkpoint_blocks, self.compile_blocks)
         if tcfg.parallel == "fsdp" and not info.enabled:
             # As torchtitan: FSDP is applied only when there is more than one rank to shard over.
             log.info("train.parallel=fsdp with one process: nothing to shard, training the plain model")
@@ -251,6 +287,11 @@ class Trainer:
             f"training {self.model.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
             f"{self.device.type} ({self.precision}, {self._parallel_name()}), grad_accum {self.grad_accum}, "
             f"{self.job.train.global_batch_tokens} tokens/step, steps {start_step}..{self.total_steps}"
+        )
+        on_off = {True: "on", False: "off"}
+        self._say(
+            f"FFN {self.job.model.ffn_impl}, torch.compile {on_off[self.compile_blocks]}, activation "
+            f"checkpointing {on_off[self.checkpoint_blocks]}, CUDA graphs {on_off[self.graphed is not None]}"
         )
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         records = []

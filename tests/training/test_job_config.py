@@ -43,6 +43,23 @@ def test_paper_experiment_is_the_papers_recipe():
     assert compose_job(["experiment=paper_1.5b", "sparsity=dense"]).sparsity.l1_coef == 0.0
 
 
+@pytest.mark.parametrize("size", ["0.5b", "1b", "1.5b", "2b"])
+def test_paper_experiments_launch_the_fast_path(size):
+    """What a user launches takes the kernels where layers are sparse, compiles on a GPU and checkpoints
+    activations only when the step would not fit; the dense twin is one override away."""
+    job = compose_job([f"experiment=paper_{size}"])
+    assert job.model.ffn_impl == "auto"
+    assert (job.train.compile, job.train.activation_checkpointing) == ("auto", "auto")
+    assert job.sparsity.dead_window_tokens == 1_048_576  # one paper step, whatever ours is
+    assert compose_job([f"experiment=paper_{size}", "model.ffn_impl=dense"]).model.ffn_impl == "dense"
+
+
+@pytest.mark.parametrize("given, stored", [("true", "true"), ("False", "false"), ("AUTO", "auto")])
+def test_compile_and_checkpointing_take_auto_true_false_in_any_case(given, stored):
+    job = compose_job([f"train.compile={given}", f"train.activation_checkpointing={given}"])
+    assert (job.train.compile, job.train.activation_checkpointing) == (stored, stored)
+
+
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ConfigCompositionException, match="3b") as err:
         compose_job(["model=3b"])
@@ -62,6 +79,8 @@ def test_unknown_preset_names_the_choices():
         ("sparsity.reinit_lambda=2", "reinit_lambda=2"),
         ("train.parallel=zero", "train.parallel='zero' is not one of \\('ddp', 'fsdp'\\)"),
         ("train.no_such_key=1", "no_such_key"),
+        ("train.compile=sometimes", "train.compile='sometimes' must be auto, true or false"),
+        ("train.activation_checkpointing=1", "train.activation_checkpointing='1' must be auto, true or false"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_them(override, message):

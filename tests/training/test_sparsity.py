@@ -64,6 +64,35 @@ def test_tracker_counts_on_constructed_patterns():
     assert tracker.tokens_since_fire.tolist()[0] == [20, 0, 20, 40]
 
 
+def test_dead_window_counts_tokens_across_step_sizes_and_a_resume():
+    """A unit is dead after dead_window_tokens without firing, however the tokens fall into steps, and a
+    tracker restored from a checkpoint goes on exactly as the one that was never stopped."""
+    fires = [[1, 0, 0, 0]], [[0, 0, 0, 0]], [[0, 1, 0, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]
+    sizes = [16, 48, 16, 64, 32]  # tokens per step
+
+    def run(tracker, steps):
+        return [
+            tracker.add(stats(f, [1.0], [1.0], n, overflow=(0,))) or tracker.end_step(world_size=1).clone()
+            for f, n in steps
+        ]
+
+    whole = ActivityTracker(n_layers=1, d_ff=4, device=torch.device("cpu"), dead_window_tokens=64)
+    deads = run(whole, zip(fires, sizes))
+    assert [d[0].tolist() for d in deads] == [
+        [False, False, False, False],  # 16 tokens: nothing is dead yet
+        [False, True, True, True],  # 64 tokens without a fire; unit 0 fired 48 tokens ago
+        [True, False, True, True],  # unit 0 reaches 64; unit 1 fired in this step
+        [True, True, True, True],  # unit 1: 64 tokens since its fire
+        [True, True, True, True],
+    ]
+    first = ActivityTracker(n_layers=1, d_ff=4, device=torch.device("cpu"), dead_window_tokens=64)
+    run(first, list(zip(fires, sizes))[:2])
+    resumed = ActivityTracker(n_layers=1, d_ff=4, device=torch.device("cpu"), dead_window_tokens=64)
+    resumed.load_state_dict(first.state_dict())
+    assert [d.tolist() for d in run(resumed, list(zip(fires, sizes))[2:])] == [d.tolist() for d in deads[2:]]
+    assert torch.equal(resumed.tokens_since_fire, whole.tokens_since_fire)
+
+
 def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics():
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(1024, 256) * 0.05) for _ in range(2)]

@@ -1,0 +1,63 @@
+"""The step's memory estimate (training/memory.py) and train.activation_checkpointing=auto."""
+
+import pytest
+import torch
+from trainer_helpers import compose_job
+
+from twell.model import ModelConfig
+from twell.training.memory import GIB, choose_activation_checkpointing, estimate_training_memory
+from twell.training.trainer import resolve_block_wrappers
+
+PAPER_1P5B = ModelConfig.preset("1.5b")
+
+
+def estimate(cfg=PAPER_1P5B, **kw):
+    kw = {"activation_checkpointing": False, "sparse_ffn": False, **kw}
+    return estimate_training_memory(cfg, 8, 2048, **kw)
+
+
+def test_state_is_sixteen_bytes_a_parameter_and_fsdp_shards_it():
+    whole = estimate()
+    assert whole.params == whole.grads == 4 * PAPER_1P5B.num_params()
+    assert whole.optimizer == 2 * whole.params
+    sharded = estimate(world_size=8, sharded=True)
+    assert sharded.params == whole.params // 8 and sharded.activations == whole.activations
+
+
+def test_activations_follow_the_layers_the_tokens_and_the_ffn():
+    dense, sparse = estimate(), estimate(sparse_ffn=True)
+    assert sparse.activations < dense.activations
+    # The dense FFN saves g, u and h (3 x 2 bytes a unit, d_ff 5632) per token and layer; TwELL ~nothing.
+    ffn_share = (dense.activations - sparse.activations) / (PAPER_1P5B.n_layers * 8 * 2048)
+    assert 5.5 * 5632 < ffn_share < 7 * 5632
+    deeper = estimate(ModelConfig.preset("2b"))
+    assert deeper.activations / dense.activations == pytest.approx(38 / 28)
+    checkpointed = estimate(activation_checkpointing=True)
+    assert checkpointed.activations < dense.activations / 5 and checkpointed.logits == dense.logits
+    assert "GiB (params" in dense.describe()
+
+
+def test_checkpointing_goes_on_only_when_the_step_does_not_fit():
+    need = estimate().total
+    on, without, with_ac = choose_activation_checkpointing(
+        PAPER_1P5B, 8, 2048, int(need / 0.8), sparse_ffn=False
+    )
+    assert not on and without.total == need and with_ac.total < need
+    on, *_ = choose_activation_checkpointing(PAPER_1P5B, 8, 2048, int(need), sparse_ffn=False)
+    assert on  # 90% of the device is the bound
+    # A sparse FFN saves enough to fit where the dense one does not.
+    sparse_need = estimate(sparse_ffn=True).total
+    device = int((need + sparse_need) / 2 / 0.9)
+    assert choose_activation_checkpointing(PAPER_1P5B, 8, 2048, device, sparse_ffn=True)[0] is False
+    assert choose_activation_checkpointing(PAPER_1P5B, 8, 2048, device, sparse_ffn=False)[0] is True
+    assert 60 * GIB < need < 100 * GIB  # eager upper bound; H200 measured 61.2 GiB compiled
+
+
+def test_auto_wrappers_on_the_cpu_are_off_and_explicit_values_win():
+    cpu = torch.device("cpu")
+    job = compose_job(["experiment=paper_0.5b"])
+    assert resolve_block_wrappers(job, cpu, 1, False) == (False, False)
+    forced = compose_job(
+        ["experiment=paper_0.5b", "train.compile=true", "train.activation_checkpointing=true"]
+    )
+    assert resolve_block_wrappers(forced, cpu, 1, False) == (True, True)

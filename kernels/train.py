@@ -27,6 +27,7 @@ calls take a torch.autograd.Function over the same forward and backward (cheaper
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import Tensor
@@ -474,3 +475,26 @@ def twell_ffn(
     if track and capacity >= 0:  # next call: this one's count plus a margin (static calls keep theirs)
         _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel())
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)
+
+
+def warm_up(
+    tokens: int, d_model: int, d_ff: int, device, *, hot_units: int | None = None, seed: int = 0
+) -> float:
+    """Run twell_ffn forward and backward on paper-like inputs of this shape (kernels/synthetic.py: ~29
+    active units a token, 30% dead units, a long tail) so that every kernel the training op uses is
+    compiled and autotuned before a model needs it: autotuning is keyed by shape, not by activity, and
+    tuned on a random model's half-active gate it would pick configurations for the wrong regime.
+    Returns the seconds it took (synchronised)."""
+    from .synthetic import paper_like_ffn_inputs
+
+    device = torch.device(device)
+    start = time.perf_counter()
+    x, w_gate, w_up, w_down = paper_like_ffn_inputs(tokens, d_model, d_ff, device=device, seed=seed)
+    weights = [w.requires_grad_() for w in (w_gate, w_up, w_down)]
+    x.requires_grad_()
+    for _ in range(2):  # the second call takes the sized path that later eager calls take
+        out = twell_ffn(x, *weights, hot_units=hot_units)
+        torch.autograd.backward([out.y, out.l1], [torch.ones_like(out.y), torch.ones_like(out.l1)])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

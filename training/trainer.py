@@ -216,6 +216,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.graphed = None
+        self.warm_up_seconds: float | None = None  # the sparse path's warm-up before training (auto FFN, GPU)
         if tcfg.cuda_graph:
             from twell.training.cuda_graph import GraphedMicroStep
 
@@ -293,6 +294,7 @@ class Trainer:
             f"FFN {self.job.model.ffn_impl}, torch.compile {on_off[self.compile_blocks]}, activation "
             f"checkpointing {on_off[self.checkpoint_blocks]}, CUDA graphs {on_off[self.graphed is not None]}"
         )
+        self._warm_sparse_path()
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         records = []
         last_saved = start_step if start_step > 0 else None
@@ -320,6 +322,51 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous_handler)
             self.logger.close()
         return records
+
+    def _warm_sparse_path(self) -> None:
+        """model.ffn_impl=auto on a GPU: before the first step, the sparse path is run once so that its
+        first use, when layers switch, costs nothing visible: the TwELL kernels are compiled and autotuned
+        on paper-like activity at this run's tokens per micro-batch (kernels.train.warm_up), then one
+        micro-batch of random tokens goes forward and backward with every FFN sparse, which compiles the
+        blocks' sparse variant under train.compile. No gradient is synchronised or kept, no optimizer or
+        data state moves, and the global RNG is untouched: the run is the same as without it."""
+        mcfg, tcfg = self.job.model, self.job.train
+        routing = [ffn._sparse_now for ffn in self.ffns]
+        if mcfg.ffn_impl != "auto" or self.device.type != "cuda" or self.graphed is not None or all(routing):
+            return
+        from twell.kernels.train import warm_up
+
+        tokens = tcfg.micro_batch * tcfg.seq_len
+        kernel_s = warm_up(tokens, mcfg.d_model, mcfg.d_ff, self.device, hot_units=mcfg.twell_hot_units)
+        if self.sharded:  # FSDP2 keeps unsynchronised gradients in buffers of its own: no model pass
+            self.warm_up_seconds = kernel_s
+            self._say(f"warmed the TwELL kernels before training in {kernel_s:.1f} s")
+            return
+        start = time.perf_counter()
+        gen = torch.Generator(device=self.device).manual_seed(tcfg.seed)
+        ids = torch.randint(
+            mcfg.vocab_size, (tcfg.micro_batch, tcfg.seq_len + 1), generator=gen, device=self.device
+        )
+        for ffn in self.ffns:
+            ffn.set_sparse(True)
+        try:
+            with self._on_graph_stream(), self._grad_sync(False):
+                loss, _, _ = self._micro_loss(
+                    ids[:, :-1], ids[:, 1:], l1_coef_at(self.step, self.job.sparsity)
+                )
+                loss.backward()
+        finally:
+            for ffn, flag in zip(self.ffns, routing):
+                ffn.set_sparse(flag)
+            self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # a random model's half-active gate made the sparse state large
+        torch.cuda.reset_peak_memory_stats(self.device)
+        model_s = time.perf_counter() - start
+        self.warm_up_seconds = kernel_s + model_s
+        self._say(
+            f"warmed the sparse FFN path before training: kernels {kernel_s:.1f} s, model {model_s:.1f} s"
+        )
 
     def _micro_loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef, model: nn.Module | None = None

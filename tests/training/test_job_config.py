@@ -80,7 +80,10 @@ def test_unknown_preset_names_the_choices():
         ("train.parallel=zero", "train.parallel='zero' is not one of \\('ddp', 'fsdp'\\)"),
         ("train.no_such_key=1", "no_such_key"),
         ("train.compile=sometimes", "train.compile='sometimes' must be auto, true or false"),
-        ("train.activation_checkpointing=1", "train.activation_checkpointing='1' must be auto, true or false"),
+        (
+            "train.activation_checkpointing=1",
+            "train.activation_checkpointing='1' must be auto, true or false",
+        ),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_them(override, message):

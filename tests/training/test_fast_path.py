@@ -1,0 +1,67 @@
+"""The sparse path is ready before layers switch to it: kernels.train.warm_up and the trainer's warm-up
+of model.ffn_impl=auto change nothing of the run but when its costs are paid."""
+
+import pytest
+import torch
+from trainer_helpers import compose_job, tiny_overrides, train
+
+from twell.kernels import twell_ffn
+from twell.kernels.reference import relu_ffn
+from twell.kernels.synthetic import paper_like_ffn_inputs
+from twell.kernels.train import warm_up
+from twell.training.trainer import Trainer
+
+
+def test_kernel_warm_up_runs_forward_and_backward_and_leaves_the_op_exact():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seconds = warm_up(64, 64, 128, device)
+    assert seconds > 0
+    x, w_gate, w_up, w_down = paper_like_ffn_inputs(40, 64, 128, dtype=torch.float32, device=device, seed=3)
+    got, want = twell_ffn(x, w_gate, w_up, w_down), relu_ffn(x, w_gate, w_up, w_down)
+    torch.testing.assert_close(got.y, want.y, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.unit_fires, want.unit_fires)
+
+
+@pytest.mark.gpu
+def test_auto_run_with_the_warm_up_equals_the_run_without_it(offline_data, tmp_path, monkeypatch):
+    """Every layer goes sparse at the first routing check (threshold above d_ff): the warmed run and a
+    run that meets the sparse path cold train the same losses, routing and activity."""
+
+    def run(name):
+        extra = ("model.ffn_impl=auto", "model.twell_threshold=1000", "model.twell_check_interval=2",
+                 "train.device=cuda", "train.compile=false")  # fmt: skip
+        trainer = train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path / name, 6, *extra)))
+        records = [r for r in trainer.fit() if "loss" in r]
+        return trainer, records
+
+    warmed, warm_records = run("warm")
+    assert warmed.warm_up_seconds > 0
+    monkeypatch.setattr(Trainer, "_warm_sparse_path", lambda self: None)  # the cold reference
+    cold, cold_records = run("cold")
+    assert cold.warm_up_seconds is None
+    assert warmed.model.ffn_routing() == cold.model.ffn_routing() == [True, True]
+    for a, b in zip(warm_records, cold_records, strict=True):
+        assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)
+
+
+def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offline_data, tmp_path):
+    """scripts/race.py on a tiny model: the two runs of the real trainer, then the comparison."""
+    import json
+
+    import race  # scripts/, on sys.path through tests/conftest.py
+
+    overrides = [o for o in tiny_overrides(offline_data, tmp_path, 4) if not o.startswith("run_dir=")]
+    overrides += ["sparsity.l1_coef=0.05", "model.twell_threshold=1000", "model.twell_check_interval=2"]
+    assert race.main(["--out", str(tmp_path / "race"), "--settle", "2", "--", *overrides]) == 0
+    result = json.loads((tmp_path / "race" / "race.json").read_text())
+    sparse, dense = result["records"]["sparse"], result["records"]["dense"]
+    assert [r["step"] for r in sparse] == [r["step"] for r in dense] == list(range(1, 5))
+    assert [r["tokens"] for r in sparse] == [256 * s for s in range(1, 5)]
+    # The same tokens and initialisation: the step-1 losses agree (both FFNs dense until the first check).
+    assert sparse[0]["ce"] == pytest.approx(dense[0]["ce"], rel=1e-5)
+    assert result["speedup"] == pytest.approx(
+        result["sparse"]["steady_tokens_per_s"] / result["dense"]["steady_tokens_per_s"]
+    )
+    assert sparse[-1]["seconds"] > sparse[0]["seconds"] > 0
+    assert "sparse / dense steady speed" in (tmp_path / "race" / "race.md").read_text()
+    assert (tmp_path / "race" / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

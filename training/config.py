@@ -89,6 +89,9 @@ class TrainConfig:
     # Recompute each block in the backward pass: auto (on a GPU when the step's memory estimate,
     # training/memory.py, does not fit without it) | true | false
     activation_checkpointing: str = "auto"
+    # model.ffn_impl=auto on a GPU: compile and autotune the sparse FFN path before step 1, so the switch
+    # of layers to it costs nothing mid-run (Trainer._warm_sparse_path)
+    warm_up: bool = True
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name

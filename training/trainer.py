@@ -332,7 +332,14 @@ class Trainer:
         data state moves, and the global RNG is untouched: the run is the same as without it."""
         mcfg, tcfg = self.job.model, self.job.train
         routing = [ffn._sparse_now for ffn in self.ffns]
-        if mcfg.ffn_impl != "auto" or self.device.type != "cuda" or self.graphed is not None or all(routing):
+        if (
+            not tcfg.warm_up
+            or mcfg.ffn_impl != "auto"
+            or self.device.type != "cuda"
+            or self.graphed is not None
+        ):
+            return
+        if all(routing):  # resumed with every layer sparse already: no switch ahead
             return
         from twell.kernels.train import warm_up
 

@@ -9,7 +9,6 @@ from twell.kernels import twell_ffn
 from twell.kernels.reference import relu_ffn
 from twell.kernels.synthetic import paper_like_ffn_inputs
 from twell.kernels.train import warm_up
-from twell.training.trainer import Trainer
 
 
 def test_kernel_warm_up_runs_forward_and_backward_and_leaves_the_op_exact():
@@ -23,21 +22,20 @@ def test_kernel_warm_up_runs_forward_and_backward_and_leaves_the_op_exact():
 
 
 @pytest.mark.gpu
-def test_auto_run_with_the_warm_up_equals_the_run_without_it(offline_data, tmp_path, monkeypatch):
+def test_auto_run_with_the_warm_up_equals_the_run_without_it(offline_data, tmp_path):
     """Every layer goes sparse at the first routing check (threshold above d_ff): the warmed run and a
     run that meets the sparse path cold train the same losses, routing and activity."""
 
-    def run(name):
+    def run(name, *more):
         extra = ("model.ffn_impl=auto", "model.twell_threshold=1000", "model.twell_check_interval=2",
-                 "train.device=cuda", "train.compile=false")  # fmt: skip
+                 "train.device=cuda", "train.compile=false", *more)  # fmt: skip
         trainer = train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path / name, 6, *extra)))
         records = [r for r in trainer.fit() if "loss" in r]
         return trainer, records
 
     warmed, warm_records = run("warm")
     assert warmed.warm_up_seconds > 0
-    monkeypatch.setattr(Trainer, "_warm_sparse_path", lambda self: None)  # the cold reference
-    cold, cold_records = run("cold")
+    cold, cold_records = run("cold", "train.warm_up=false")
     assert cold.warm_up_seconds is None
     assert warmed.model.ffn_routing() == cold.model.ffn_routing() == [True, True]
     for a, b in zip(warm_records, cold_records, strict=True):

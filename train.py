@@ -41,7 +41,7 @@ from twell.data import build_train_stream, build_val_stream, held_out_texts, loa
 from twell.eval import bytes_per_token, validation_loss  # noqa: E402
 from twell.model import Transformer  # noqa: E402
 from twell.training.checkpoint import CheckpointError, capture_rng, restore_rng  # noqa: E402
-from twell.training.config import JobConfig, register_configs  # noqa: E402
+from twell.training.config import JobConfig, check_known_keys, register_configs  # noqa: E402
 from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
 from twell.training.trainer import Evaluator, Trainer  # noqa: E402
 
@@ -50,7 +50,9 @@ log = logging.getLogger("train")
 
 
 def parse_config(cfg: DictConfig) -> JobConfig:
-    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value."""
+    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value,
+    also a key that no schema field takes (`+optim.lrr=1`)."""
+    check_known_keys(cfg)
     try:
         job = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:

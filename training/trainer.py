@@ -31,7 +31,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from twell.training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
+from twell.training.checkpoint import (
+    CONFIG_NAME,
+    Checkpointer,
+    CheckpointError,
+    capture_rng,
+    config_yaml,
+    restore_rng,
+)
 from twell.training.config import JobConfig
 from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
 from twell.training.loggers import RunLogger
@@ -40,6 +47,10 @@ from twell.training.optim import build_optimizer, set_lr
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 log = logging.getLogger(__name__)
+
+
+class NothingToTrain(ValueError):
+    """train.steps is below the step the run resumed from."""
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -168,8 +179,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, job.optim, self.device)
         mcfg = job.model
         self.tracker = ActivityTracker(mcfg.n_layers, mcfg.d_ff, self.device, job.sparsity.dead_window_tokens)
-        self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info)
-        self.step = 0
+        self.run_config = asdict(job)
+        self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info, self.run_config)
+        self.step = self.start_step = 0
         self.stop_requested = False
         self.flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
         self.peak_flops = peak_flops(self.device, self.precision, tcfg.peak_flops)
@@ -206,7 +218,19 @@ class Trainer:
             self.step, self.model, self.optimizer, self._trainer_state(), self._rank_state()
         )
         self._say(f"saved checkpoint {path}")
+        self.record_config()
         return path
+
+    def record_config(self) -> None:
+        """<run_dir>/config.yaml: the config of the launch that wrote the newest checkpoint (rank 0).
+        Written only once this launch has saved one, so a launch that crashes or trains nothing
+        leaves the record of the checkpoints on disk as it was. Every checkpoint holds its own copy."""
+        if not self.info.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / (CONFIG_NAME + ".tmp")
+        tmp.write_text(config_yaml(self.run_config))
+        tmp.replace(self.run_dir / CONFIG_NAME)
 
     def resume(self) -> int:
         """Load the checkpoint named by checkpoint.resume; returns the step to continue from."""
@@ -236,8 +260,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
-        """Train to train.steps (or until SIGTERM); returns the logged records (rank 0)."""
-        start_step = self.resume()
+        """Train to train.steps (or until SIGTERM); returns the logged records (rank 0).
+
+        Raises NothingToTrain when train.steps is below the resumed step; at train.steps exactly the
+        run is complete: it says so and returns no records."""
+        start_step = self.start_step = self.resume()
+        if start_step >= self.total_steps:
+            extend = (
+                f"to extend the run, set train.steps to more than {start_step} (e.g. "
+                f"train.steps={2 * start_step}; the LR schedule spans train.steps); to train anew, give "
+                "it a new run_name/run_dir or checkpoint.resume=none"
+            )
+            if start_step > self.total_steps:
+                raise NothingToTrain(
+                    f"nothing to train: train.steps={self.total_steps} is below step {start_step}, "
+                    f"where this run resumed from {self.checkpointer.dir}; {extend}"
+                )
+            self._say(f"nothing to train: the run is complete at train.steps={self.total_steps}; {extend}")
+            return []
         self.logger = RunLogger(
             self.job.logging,
             self.run_dir,

@@ -1,0 +1,61 @@
+"""What a run dir records: each checkpoint holds the config that produced it, <run_dir>/config.yaml
+changes only when a launch saves a checkpoint, every launch is listed in launches.jsonl, and a launch
+that cannot train (another model shape, train.steps below the resumed step) says so and changes
+nothing."""
+
+import json
+
+from omegaconf import OmegaConf
+from trainer_helpers import compose_cfg, tiny_overrides, train
+
+from twell.eval.load import load_for_eval
+
+
+def launches(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "launches.jsonl").read_text().splitlines()]
+
+
+def test_the_record_follows_the_checkpoints_and_refused_launches_change_nothing(
+    offline_data, tmp_path, capsys
+):
+    base = tiny_overrides(offline_data, tmp_path, 4, "checkpoint.save_final=true")
+    assert train.run(compose_cfg(base)) == 0
+    step_dir = tmp_path / "checkpoints" / "step_00000004"
+    saved = OmegaConf.load(step_dir / "config.yaml")
+    assert (saved.model.d_model, saved.optim.lr, saved.train.steps) == (64, 3e-3, 4)
+    recorded = (tmp_path / "config.yaml").read_text()
+    assert recorded == (step_dir / "config.yaml").read_text()
+    assert launches(tmp_path)[0]["outcome"] == "trained" and launches(tmp_path)[0]["steps"] == [0, 4]
+    capsys.readouterr()
+
+    # Another model shape: refused before loading, naming the field, not a DCP size mismatch.
+    assert train.run(compose_cfg([*base, "train.steps=6", "model.d_model=128"])) == 2
+    error = capsys.readouterr().err
+    assert (
+        "holds a model of another shape" in error and "model.d_model=64 in the checkpoint, 128 now" in error
+    )
+    assert "size mismatch" not in error.lower()
+
+    # train.steps below the resumed step: nothing to train, and how to extend the run.
+    assert train.run(compose_cfg([*base, "train.steps=2", "optim.lr=5e-4"])) == 2
+    error = capsys.readouterr().err
+    assert (
+        "nothing to train: train.steps=2 is below step 4" in error and "train.steps to more than 4" in error
+    )
+
+    # train.steps at the resumed step: the run is complete (a relaunched finished job), exit 0.
+    assert train.run(compose_cfg(base)) == 0
+    assert "nothing to train: the run is complete at train.steps=4" in capsys.readouterr().out
+
+    assert (tmp_path / "config.yaml").read_text() == recorded  # none of them trained or saved
+    assert [(r["exit_status"], r["steps"]) for r in launches(tmp_path)] == [
+        (0, [0, 4]), (2, [0, 0]), (2, [4, 4]), (0, [4, 4])
+    ]  # fmt: skip
+    configs = [OmegaConf.load(tmp_path / r["config"]) for r in launches(tmp_path)]
+    assert [c.model.d_model for c in configs] == [64, 128, 64, 64]
+    assert configs[2].optim.lr == 5e-4
+
+    # Evaluation takes the shape from the checkpoint's own config, whatever the run dir's says.
+    (tmp_path / "config.yaml").write_text(recorded.replace("d_model: 64", "d_model: 128"))
+    net, tokenizer = load_for_eval(tmp_path / "checkpoints")
+    assert net.cfg.d_model == 64 and tokenizer == f"{offline_data}/tokenizer"

@@ -235,6 +235,12 @@ def main(cfg: DictConfig) -> None:
     )
     try:
         status = run(cfg)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops), or one before training
+        print(
+            "error: interrupted: stopped without saving; the checkpoints on disk are as they were",
+            file=sys.stderr,
+        )
+        status = 130
     finally:
         # DDP's reducer holds the process group: free it (it sits in reference cycles) before the
         # group is destroyed, or gloo's destructor can wait forever for a peer that already left.

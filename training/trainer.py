@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -47,6 +48,9 @@ from twell.training.optim import build_optimizer, set_lr
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 log = logging.getLogger(__name__)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class NothingToTrain(ValueError):
@@ -183,6 +187,7 @@ class Trainer:
         self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info, self.run_config)
         self.step = self.start_step = 0
         self.stop_requested = False
+        self.stop_signal = "SIGTERM"  # the name said when stopping; another rank's signal stops this one too
         self.flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
         self.peak_flops = peak_flops(self.device, self.precision, tcfg.peak_flops)
         # Autocast's weight-cast cache is off under CUDA graphs (PyTorch's advice for capture).
@@ -260,7 +265,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
-        """Train to train.steps (or until SIGTERM); returns the logged records (rank 0).
+        """Train to train.steps (or until SIGTERM / a first SIGINT); returns the logged records (rank 0).
 
         Raises NothingToTrain when train.steps is below the resumed step; at train.steps exactly the
         run is complete: it says so and returns no records."""
@@ -292,7 +297,9 @@ class Trainer:
             f"{self.device.type} ({self.precision}, {self._parallel_name()}), grad_accum {self.grad_accum}, "
             f"{self.job.train.global_batch_tokens} tokens/step, steps {start_step}..{self.total_steps}"
         )
-        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # SIGTERM (a scheduler's preemption) and a first SIGINT (Ctrl-C) stop after the current step
+        # with a checkpoint; a second SIGINT quits at once (KeyboardInterrupt).
+        previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
         records = []
         last_saved = start_step if start_step > 0 else None
         try:
@@ -311,12 +318,13 @@ class Trainer:
                     last_saved = self.step
                     self._window_t0 = time.perf_counter()  # saving is not training time
                 if any_rank(self.stop_requested):
-                    self._say(f"SIGTERM: stopping at step {self.step}")
+                    self._say(f"{self.stop_signal}: stopping at step {self.step}")
                     break
             if last_saved != self.step and (self.job.checkpoint.save_final or self.stop_requested):
                 self.save_checkpoint()
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
             self.logger.close()
         return records
 
@@ -514,9 +522,19 @@ class Trainer:
         return replica.train(self.model.training)
 
     # ------------------------------------------------------------------ misc
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_stop_signal(self, signum, frame) -> None:
         # Only a flag: the loop saves at the end of the current step, on every rank together.
+        if signum == signal.SIGINT and self.stop_requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: quit now, without saving
         self.stop_requested = True
+        self.stop_signal = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.info.is_main:
+            print(
+                "\nSIGINT: saving a checkpoint after this step, then stopping (Ctrl-C again quits at once, "
+                "without saving)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _say(self, message: str) -> None:
         if self.info.is_main:

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_config_of(checkpoint: Path) -> dict:
     if is_hf_folder(checkpoint):
         return {}
-    return find_run_config(latest_step_dir(checkpoint)) or {}
+    return find_run_config(latest_step_dir(checkpoint, quiet=True)) or {}
 
 
 def data_config(spec: str | None, run_cfg: dict) -> DataConfig:

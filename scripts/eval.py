@@ -59,6 +59,8 @@ def main(argv=None) -> None:
     )
     from twell.eval.report import save_results
 
+    results["checkpoint"] = net.source  # the step folder (or HF folder) that was scored
+
     checkpoint = Path(options["checkpoint"])
     default_out = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval_results.json"
     out = save_results(results, options.get("out") or default_out)

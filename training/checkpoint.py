@@ -158,8 +158,9 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     # ---------------------------------------------------------------- loading
-    def verify(self, path: Path) -> dict:
-        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError."""
+    def verify(self, path: Path, same_world: bool = True) -> dict:
+        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError.
+        same_world: also require the world size this job has (resuming needs it, reading does not)."""
         marker = path / MARKER
         if not marker.is_file():
             raise CheckpointError(f"{path} has no {MARKER}: it is partial (the job died while saving)")
@@ -168,7 +169,7 @@ class Checkpointer:
             files = manifest["files"]
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{marker} is unreadable ({err})") from err
-        if manifest.get("world_size") != self.info.world_size:
+        if same_world and manifest.get("world_size") != self.info.world_size:
             raise CheckpointError(
                 f"{path} was written by {manifest.get('world_size')} processes but this job has "
                 f"{self.info.world_size}; the data position is per rank, so resume with the same "
@@ -283,3 +284,10 @@ def read_checkpoint_config(path: Path) -> dict | None:
         return None
     cfg = OmegaConf.to_container(OmegaConf.load(candidate), resolve=False)
     return cfg if isinstance(cfg, dict) else None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """One process checks every file of a checkpoint against its COMPLETE.json (sizes and CRC32), as a
+    resume does; returns the manifest or raises CheckpointError with the reason. For readers outside
+    training (evaluation, export, activity reports), which have no process group."""
+    return Checkpointer(path.parent, 0, DistInfo(0, 0, 1, torch.device("cpu"))).verify(path, same_world=False)

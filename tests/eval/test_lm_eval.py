@@ -155,3 +155,5 @@ def test_readme_eval_command_uses_the_offline_copies_with_the_hub_unreachable(
     assert "from the Hugging Face hub" not in done.stdout
     saved = json.loads((run_dir / "checkpoints" / "eval_results.json").read_text())
     assert set(saved["summary"]) == set(PAPER7)
+    assert saved["checkpoint"] == str(step)  # which step was scored (no COMPLETE.json: read unverified)
+    assert f"reading checkpoint {step} (not verified: no COMPLETE.json)" in done.stderr

@@ -5,6 +5,8 @@ nothing."""
 
 import json
 
+import pytest
+import torch
 from omegaconf import OmegaConf
 from trainer_helpers import compose_cfg, tiny_overrides, train
 
@@ -59,3 +61,26 @@ def test_the_record_follows_the_checkpoints_and_refused_launches_change_nothing(
     (tmp_path / "config.yaml").write_text(recorded.replace("d_model: 64", "d_model: 128"))
     net, tokenizer = load_for_eval(tmp_path / "checkpoints")
     assert net.cfg.d_model == 64 and tokenizer == f"{offline_data}/tokenizer"
+
+
+def test_evaluation_refuses_a_corrupt_newest_checkpoint_naming_it(offline_data, tmp_path, capsys):
+    overrides = tiny_overrides(offline_data, tmp_path, 4, "checkpoint.interval=2", "checkpoint.keep_last=0")
+    assert train.run(compose_cfg(overrides)) == 0
+    checkpoints = tmp_path / "checkpoints"
+    older, _ = load_for_eval(checkpoints / "step_00000002")
+    # A bit flip in the newest checkpoint's tensor data (same size: only the CRC can tell).
+    data_file = next((checkpoints / "step_00000004").glob("*.distcp"))
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+    capsys.readouterr()
+
+    net, _ = load_for_eval(checkpoints)  # the newest good one, saying which
+    said = capsys.readouterr().err
+    assert "warning: refusing checkpoint step_00000004" in said and "fails its CRC32 check" in said, said
+    assert f"reading checkpoint {checkpoints / 'step_00000002'} (verified against its COMPLETE.json)" in said
+    assert net.source == str(checkpoints / "step_00000002")
+    for name, tensor in older.state_dict().items():
+        assert torch.equal(net.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="no usable checkpoint in .*step_00000004 is corrupt: .* CRC32"):
+        load_for_eval(checkpoints / "step_00000004")

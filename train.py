@@ -45,6 +45,7 @@ from twell.model import Transformer  # noqa: E402
 from twell.training.checkpoint import CheckpointError, capture_rng, config_yaml, restore_rng  # noqa: E402
 from twell.training.config import JobConfig, check_known_keys, register_configs  # noqa: E402
 from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
+from twell.training.loggers import wandb_mode  # noqa: E402
 from twell.training.trainer import Evaluator, NothingToTrain, Trainer  # noqa: E402
 
 register_configs()
@@ -74,6 +75,7 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def build_trainer(job: JobConfig) -> Trainer:
+    wandb_mode(job.logging)  # a bad WANDB_MODE stops the run here, before anything is built
     info = init_distributed(job.train.device)
     seed_everything(job.train.seed, info.rank)
     tokenizer = load_tokenizer(job.data.tokenizer)

@@ -7,6 +7,7 @@ imported only when logging.wandb_mode is online or offline.
 import json
 import logging
 import math
+import os
 import uuid
 from pathlib import Path
 
@@ -89,17 +90,40 @@ class ConsoleSink:
         self.bar.close()
 
 
+_WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline"}
+_WANDB_MODES["disabled"] = "disabled"
+
+
+def wandb_mode(cfg: LoggingConfig) -> str:
+    """logging.wandb_mode, unless wandb's own environment says otherwise: WANDB_MODE (online, offline,
+    disabled; wandb's older run/dryrun too) wins over the config, and WANDB_DISABLED=true disables, as
+    wandb users expect (`WANDB_MODE=offline python train.py ... logging=wandb`)."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env:
+        if env not in _WANDB_MODES:
+            raise ValueError(
+                f"WANDB_MODE={env!r} is not one of {tuple(_WANDB_MODES)}; set WANDB_MODE=offline (or unset it "
+                "and use logging.wandb_mode)"
+            )
+        return _WANDB_MODES[env]
+    if os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+        return "disabled"
+    return cfg.wandb_mode
+
+
 class WandbSink:
-    def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict):
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict, mode: str):
         import wandb  # only here: runs without wandb never import it
 
         # A stable id in the run dir lets a resumed job continue the same wandb run.
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
+        # WANDB_PROJECT / WANDB_ENTITY apply where the config keeps its defaults (project twell, no entity).
+        project = os.environ.get("WANDB_PROJECT") if cfg.wandb_project == "twell" else None
         self.run = wandb.init(
-            mode=cfg.wandb_mode,
-            project=cfg.wandb_project,
+            mode=mode,
+            project=project or cfg.wandb_project,
             entity=cfg.wandb_entity,
             tags=list(cfg.wandb_tags),
             name=run_name,
@@ -141,8 +165,9 @@ class RunLogger:
             self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", keep_through_step=start_step))
         if cfg.console:
             self.sinks.append(ConsoleSink(total_steps, start_step))
-        if cfg.wandb_mode != "disabled":
-            self.sinks.append(WandbSink(cfg, run_dir, run_name, config))
+        mode = wandb_mode(cfg)
+        if mode != "disabled":
+            self.sinks.append(WandbSink(cfg, run_dir, run_name, config, mode))
 
     def log(self, record: dict) -> None:
         for sink in self.sinks:

@@ -4,11 +4,14 @@ that cannot train (another model shape, train.steps below the resumed step) says
 nothing."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from trainer_helpers import compose_cfg, tiny_overrides, train
+from trainer_helpers import ROOT, compose_cfg, tiny_overrides, train
 
 from twell.eval.load import load_for_eval
 
@@ -84,3 +87,20 @@ def test_evaluation_refuses_a_corrupt_newest_checkpoint_naming_it(offline_data, 
         assert torch.equal(net.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="no usable checkpoint in .*step_00000004 is corrupt: .* CRC32"):
         load_for_eval(checkpoints / "step_00000004")
+
+
+def test_wandb_mode_from_the_environment_wins(offline_data, tmp_path):
+    # logging=wandb says online; WANDB_MODE=offline (wandb's own convention) must need no API key.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    cli = [*tiny_overrides(offline_data, tmp_path, 2), "logging=wandb", "logging.console=false"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *cli], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*")), list(tmp_path.rglob("*"))
+    env["WANDB_MODE"] = "maybe"
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *cli], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2 and "error: WANDB_MODE='maybe' is not one of" in bad.stderr, bad.stderr

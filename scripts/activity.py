@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         for tokens in tqdm(batches, desc="forward", unit="batch", disable=None):
             meter.run(tokens)
     report = meter.report()
-    print(f"model: {net.cfg.num_params() / 1e6:.1f}M parameters, {checkpoint}, on {what}, device {device}")
+    print(f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, {checkpoint}, on {what}, device {device}")
     print(report.table())
 
     stem = (

@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     )
     tokenizer = load_tokenizer(tokenizer_name)
     print(
-        f"model: {net.cfg.num_params() / 1e6:.1f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
+        f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
     )
     from twell.eval.tasks import describe_sources
 

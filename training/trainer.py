@@ -18,6 +18,7 @@ tensors and are read (one sync) every logging.log_interval steps.
 
 import contextlib
 import functools
+import inspect
 import logging
 import signal
 import sys
@@ -91,6 +92,15 @@ def check_cuda_graph_support(device: torch.device, world_size: int, parallel: st
             f"{parallel}: FSDP2's parameter gathers and gradient reduce-scatters are not captured; set "
             "train.parallel=ddp or train.cuda_graph=false"
         )
+
+
+def _no_buffer_sync() -> dict:
+    """DDP's argument for no per-forward buffer broadcast: forward_sync_buffers=False where PyTorch has
+    it (it deprecates broadcast_buffers with a FutureWarning on every rank; the one broadcast at init
+    it still does is harmless, the buffers being equal), broadcast_buffers=False before."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def micro_loss(model: nn.Module, autocast, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef):
@@ -178,7 +188,7 @@ class Trainer:
                 self.forward_model = DistributedDataParallel(
                     self.model,
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                    broadcast_buffers=False,
+                    **_no_buffer_sync(),
                 )
         self.optimizer = build_optimizer(self.model, job.optim, self.device)
         mcfg = job.model

@@ -170,6 +170,7 @@ def parallel_runs(reference_run, tmp_path_factory):
             "dir": run_dir,
             "records": read_jsonl(run_dir / "metrics.jsonl"),
             "out": done.stdout,
+            "err": done.stderr,
         }
     return overrides, runs
 
@@ -178,6 +179,7 @@ def test_two_ddp_and_two_fsdp_processes_match_one(parallel_runs, tmp_path):
     overrides, runs = parallel_runs
     assert "(fp32, DDP), grad_accum 2" in runs["ddp"]["out"]
     assert "(fp32, FSDP2), grad_accum 2" in runs["fsdp"]["out"]
+    assert "broadcast_buffers" not in runs["ddp"]["err"]  # no deprecation warning on every rank
     one = {r["step"]: r for r in run_job([*overrides, f"run_dir={tmp_path}"])}  # grad_accum 4
     assert sum(sum(r["reinit_units"]) for r in one.values()) > 0, "the test needs dead-unit re-inits"
     for parallel, run in runs.items():

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -69,7 +70,18 @@ class ConsoleSink:
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, disable=None
         )
-        self.last_step = start_step
+        self.last_step = self.start_step = start_step
+        self.total_steps = total_steps
+        self.t0 = time.monotonic()
+
+    def _timing(self, step: int) -> str:
+        """' [elapsed 0:12, eta 3:48]' (this launch's wall time, and the rest at its pace so far): what the
+        bar shows, for output that goes to a file, where there is no bar."""
+        elapsed = time.monotonic() - self.t0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else None
+        eta_text = tqdm.format_interval(eta) if eta is not None else "?"
+        return f" [elapsed {tqdm.format_interval(elapsed)}, eta {eta_text}]"
 
     def log(self, record: dict) -> None:
         step = record["step"]
@@ -84,7 +96,9 @@ class ConsoleSink:
             means = record["active_mean"]
             line += f" active/token {sum(means) / len(means):.1f} (layers {min(means):.1f}..{max(means):.1f})"
             line += f" dead {sum(record['dead_frac']) / len(means):.1%}"
-        self.bar.write(f"step {step}: {line}")
+        if self.bar.disable and "loss" in record:
+            line += self._timing(step)
+        self.bar.write(f"step {step}/{self.total_steps}: {line}")
 
     def close(self) -> None:
         self.bar.close()

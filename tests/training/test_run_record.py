@@ -104,3 +104,21 @@ def test_wandb_mode_from_the_environment_wins(offline_data, tmp_path):
         [sys.executable, str(ROOT / "train.py"), *cli], env=env, capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "error: WANDB_MODE='maybe' is not one of" in bad.stderr, bad.stderr
+
+
+def test_progress_lines_to_a_file_have_elapsed_time_and_eta(tmp_path):
+    from twell.training.loggers import ConsoleSink
+
+    out = tmp_path / "log.txt"
+    with open(out, "w") as f:
+        old, sys.stdout = sys.stdout, f  # the job's output redirected to a file: no progress bar
+        try:
+            sink = ConsoleSink(total_steps=10, start_step=4)
+            for step in (5, 6):
+                sink.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 100.0})
+            sink.close()
+        finally:
+            sys.stdout = old
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("step 5/10: loss 1 ") and "[elapsed 00:00, eta 00:0" in lines[0], lines
+    assert len(lines) == 2 and "eta" in lines[1]

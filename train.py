@@ -22,8 +22,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
@@ -40,17 +42,20 @@ except ModuleNotFoundError as err:  # a clone that was never installed
 from twell.data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer  # noqa: E402
 from twell.eval import bytes_per_token, validation_loss  # noqa: E402
 from twell.model import Transformer  # noqa: E402
-from twell.training.checkpoint import CheckpointError, capture_rng, restore_rng  # noqa: E402
-from twell.training.config import JobConfig, register_configs  # noqa: E402
+from twell.training.checkpoint import CheckpointError, capture_rng, config_yaml, restore_rng  # noqa: E402
+from twell.training.config import JobConfig, check_known_keys, register_configs  # noqa: E402
 from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
-from twell.training.trainer import Evaluator, Trainer  # noqa: E402
+from twell.training.loggers import wandb_mode  # noqa: E402
+from twell.training.trainer import Evaluator, NothingToTrain, Trainer  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")
 
 
 def parse_config(cfg: DictConfig) -> JobConfig:
-    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value."""
+    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value,
+    also a key that no schema field takes (`+optim.lrr=1`)."""
+    check_known_keys(cfg)
     try:
         job = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
@@ -70,6 +75,7 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def build_trainer(job: JobConfig) -> Trainer:
+    wandb_mode(job.logging)  # a bad WANDB_MODE stops the run here, before anything is built
     info = init_distributed(job.train.device)
     seed_everything(job.train.seed, info.rank)
     tokenizer = load_tokenizer(job.data.tokenizer)
@@ -156,16 +162,42 @@ def _rng_untouched(device: torch.device):
         restore_rng(state, device)
 
 
-def save_run_config(cfg: DictConfig, trainer: Trainer) -> None:
-    """The resolved job config beside the checkpoints (rank 0): evaluation, activity reports and HF
-    export read the model shape and tokenizer from it."""
-    if trainer.info.rank != 0:
-        return
-    run_dir = Path(trainer.job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    tmp.replace(run_dir / "config.yaml")
+class LaunchRecord:
+    """The history of launches in a run dir (rank 0): <run_dir>/launches/<time>.yaml holds each launch's
+    resolved config, written at its start; <run_dir>/launches.jsonl gets one line at its end, with
+    the command line, the steps trained and the outcome (also for a launch that fails or trains
+    nothing). <run_dir>/config.yaml is written by the trainer only when a launch saves a checkpoint."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.enabled = trainer.info.rank == 0
+        self.started = time.time()
+        if not self.enabled:
+            return
+        folder = Path(trainer.job.run_dir) / "launches"
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.started))
+        self.config_path, n = folder / f"{stamp}.yaml", 1
+        while self.config_path.exists():
+            self.config_path, n = folder / f"{stamp}-{n}.yaml", n + 1
+        self.config_path.write_text(config_yaml(trainer.run_config))
+
+    def finish(self, status: int, outcome: str) -> None:
+        if not self.enabled:
+            return
+        t = self.trainer
+        line = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "argv": sys.argv[1:],
+            "config": str(self.config_path.relative_to(Path(t.job.run_dir))),
+            "steps": [t.start_step, t.step],
+            "train_steps": t.total_steps,
+            "exit_status": status,
+            "outcome": outcome,
+        }
+        with open(Path(t.job.run_dir) / "launches.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def run(cfg: DictConfig) -> int:
@@ -177,13 +209,24 @@ def run(cfg: DictConfig) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    save_run_config(cfg, trainer)
+    launch = LaunchRecord(trainer)
+    status, outcome = 1, "crashed"
     try:
         trainer.fit()
-    except CheckpointError as err:
+        status = 0
+        if trainer.step == trainer.start_step:
+            outcome = "nothing to train"
+        else:
+            outcome = "stopped by a signal" if trainer.stop_requested else "trained"
+    except (CheckpointError, NothingToTrain) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        status, outcome = 2, f"error: {err}"
+    except BaseException as err:
+        outcome = f"crashed: {type(err).__name__}: {err}"
+        raise
+    finally:
+        launch.finish(status, outcome)
+    return status
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
@@ -194,6 +237,12 @@ def main(cfg: DictConfig) -> None:
     )
     try:
         status = run(cfg)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops), or one before training
+        print(
+            "error: interrupted: stopped without saving; the checkpoints on disk are as they were",
+            file=sys.stderr,
+        )
+        status = 130
     finally:
         # DDP's reducer holds the process group: free it (it sits in reference cycles) before the
         # group is destroyed, or gloo's destructor can wait forever for a peer that already left.

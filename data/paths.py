@@ -32,13 +32,19 @@ def expand_files(spec: str, what: str) -> list[str]:
         matches = _matches(part) or _matches(str(PROJECT_ROOT / part))
         if not matches:
             raise FileNotFoundError(
-                f"{what}: no files match {part!r} (looked under {Path.cwd()} and {PROJECT_ROOT}). "
+                f"{what}: no files match {part!r} (looked under {_under()}). "
                 "Fix the path, or create the offline sample with `python scripts/prepare_offline_data.py`."
             )
         files.extend(matches)
     if not files:
         raise ValueError(f"{what} is empty ({spec!r}): give a file, a folder or a glob")
     return files
+
+
+def _under() -> str:
+    """Where relative paths are looked up: the working folder, and the project root when it differs."""
+    here = Path.cwd()
+    return str(here) if here.resolve() == PROJECT_ROOT.resolve() else f"{here} and {PROJECT_ROOT}"
 
 
 def _matches(pattern: str) -> list[str]:

@@ -60,10 +60,20 @@ class TextSource:
             files = list(self.files)
             if self.shuffle_files:
                 files = [files[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(files))]
+            empty = [f for f in files if os.path.getsize(f) == 0]
+            if empty:
+                more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+                raise ValueError(
+                    f"data file {empty[0]} is empty (0 bytes){more}; fill it or leave it out of "
+                    "data.path / data.val_path"
+                )
             extra = {"sample_by": self.cfg.text_sample_by} if self.format == "text" else {}
-            return load_dataset(
-                self.format, data_files={"train": files}, split="train", streaming=True, **extra
-            )
+            try:
+                return load_dataset(
+                    self.format, data_files={"train": files}, split="train", streaming=True, **extra
+                )
+            except StopIteration:  # datasets' json/text readers on a file without any record
+                raise ValueError(f"{self.description} holds no documents; check data.path") from None
         try:
             dataset = load_dataset(
                 self.cfg.hf_name,

@@ -187,7 +187,7 @@ def run_lm_eval(
     tasks: a preset ("paper7", "optional", "all"), lm-eval task names, or a comma list of both.
     limit: examples per task (int) or fraction (float < 1); None = all.
     device: where to run (the model is moved there if it is elsewhere); default: the model's.
-    offline: see eval.tasks.resolve_tasks (default: offline iff HF_HUB_OFFLINE/HF_DATASETS_OFFLINE).
+    offline: see eval.tasks.task_sources (default auto: the offline copies where they exist).
     bootstrap_iters: lm-eval's bootstrap for non-mean metrics' stderr (0 = skip; it is slow).
 
     One process, no collectives: in a distributed job call it from rank 0 only.

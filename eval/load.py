@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -47,19 +48,52 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def latest_step_dir(path: Path) -> Path:
-    """A step folder itself, or the newest finished `step_*` in a checkpoints folder."""
+def _verified(step_dir: Path) -> str:
+    """'verified' when the folder's files match its COMPLETE.json (CRC32), as training checks them
+    before a resume; raises CheckpointError with the reason otherwise. Folders without the file
+    (not written by the trainer) are read as they are, with a warning."""
+    from twell.training.checkpoint import MARKER, verify_checkpoint
+
+    if not (step_dir / MARKER).is_file():
+        return f"not verified: no {MARKER}"
+    verify_checkpoint(step_dir)
+    return f"verified against its {MARKER}"
+
+
+def latest_step_dir(path: Path, quiet: bool = False) -> Path:
+    """A step folder itself, or the newest finished `step_*` in a checkpoints folder that passes its
+    CRC check (a corrupt one is refused for the previous one, with a warning naming it). Says on
+    stderr which step folder is read (unless quiet); raises ValueError when none is usable."""
+    from twell.training.checkpoint import CheckpointError
+
     if (path / ".metadata").is_file():
-        return path
-    # Exactly step_<8 digits>: the trainer saves into `step_XXXXXXXX.tmp/` (which already has a
-    # .metadata while being written) and renames it only when the checkpoint is complete.
-    steps = sorted(p for p in path.glob("step_" + "[0-9]" * 8) if p.is_dir() and (p / ".metadata").is_file())
-    if not steps:
+        candidates = [path]
+    else:
+        # Exactly step_<8 digits>: the trainer saves into `step_XXXXXXXX.tmp/` (which already has a
+        # .metadata while being written) and renames it only when the checkpoint is complete.
+        candidates = sorted(
+            (p for p in path.glob("step_" + "[0-9]" * 8) if p.is_dir() and (p / ".metadata").is_file()),
+            reverse=True,
+        )
+    if not candidates:
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint "
             "(.metadata) nor a folder of step_* checkpoints"
         )
-    return steps[-1]
+    reasons = []
+    for step_dir in candidates:
+        try:
+            how = _verified(step_dir)
+        except CheckpointError as err:
+            reasons.append(str(err))
+            if not quiet:
+                print(f"warning: refusing checkpoint {step_dir.name}: {err}", file=sys.stderr, flush=True)
+            continue
+        if not quiet:
+            print(f"reading checkpoint {step_dir} ({how})", file=sys.stderr, flush=True)
+        return step_dir
+    older = "" if len(candidates) > 1 else "; give an older step_* folder, or the checkpoints folder"
+    raise ValueError(f"no usable checkpoint in {path}: " + " | ".join(reasons) + older)
 
 
 def find_run_config(step_dir: Path) -> dict | None:
@@ -116,10 +150,12 @@ def load_for_eval(
         from twell.model.hf_io import import_hf
 
         _, net = import_hf(path, dtype=torch.float32, **overrides)
+        net.source = str(path)
         return net, tokenizer or str(path)
     step_dir = latest_step_dir(path)
     cfg, run_cfg = model_config_for(step_dir, preset, **overrides)
     net = load_dcp_model(step_dir, cfg)
+    net.source = str(step_dir)  # which step was read: scripts record it with their results
     if tokenizer is None:
         tokenizer = ((run_cfg or {}).get("data") or {}).get("tokenizer")
         if not tokenizer:

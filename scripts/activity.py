@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_config_of(checkpoint: Path) -> dict:
     if is_hf_folder(checkpoint):
         return {}
-    return find_run_config(latest_step_dir(checkpoint)) or {}
+    return find_run_config(latest_step_dir(checkpoint, quiet=True)) or {}
 
 
 def data_config(spec: str | None, run_cfg: dict) -> DataConfig:
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         for tokens in tqdm(batches, desc="forward", unit="batch", disable=None):
             meter.run(tokens)
     report = meter.report()
-    print(f"model: {net.cfg.num_params() / 1e6:.1f}M parameters, {checkpoint}, on {what}, device {device}")
+    print(f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, {checkpoint}, on {what}, device {device}")
     print(report.table())
 
     stem = (

@@ -9,9 +9,10 @@ SakanaAI/SparseLM download) or a trainer checkpoint (a step_* folder, or the che
 the newest step). A trainer checkpoint takes its shape from the run's config.yaml, or model=<preset>.
 Other keys: tasks (preset paper7/optional/all or lm-eval names, comma-separated), limit (examples
 per task), batch_size, device (cpu/cuda; default cuda if available), out (results JSON, default
-<checkpoint>/eval_results.json), offline (auto/true/false: use the local task copies made by
-scripts/setup_offline_eval.py; auto = when HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set),
-offline_tasks (that folder), tokenizer, ffn_impl, and any ModelConfig field as an override.
+<checkpoint>/eval_results.json), offline (auto/true/false; auto, the default: the local task
+copies made by scripts/setup_offline_eval.py for every task that has one, the hub for the others;
+true, or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set: the local copies only), offline_tasks (that folder,
+default $TWELL_OFFLINE_TASKS or offline/lm_eval_tasks), tokenizer, ffn_impl, and any ModelConfig field as an override.
 """
 
 import sys
@@ -41,18 +42,24 @@ def main(argv=None) -> None:
     )
     tokenizer = load_tokenizer(tokenizer_name)
     print(
-        f"model: {net.cfg.num_params() / 1e6:.1f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
+        f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
     )
+    from twell.eval.tasks import describe_sources
+
+    tasks = options.get("tasks", "paper7")
+    print(describe_sources(tasks, offline, options.get("offline_tasks")), flush=True)
     results = run_lm_eval(
         net.to(device),
         tokenizer,
-        tasks=options.get("tasks", "paper7"),
+        tasks=tasks,
         limit=limit,
         batch_size=int(options.get("batch_size", 8)),
         offline=offline,
         offline_dir=options.get("offline_tasks"),
     )
     from twell.eval.report import save_results
+
+    results["checkpoint"] = net.source  # the step folder (or HF folder) that was scored
 
     checkpoint = Path(options["checkpoint"])
     default_out = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval_results.json"

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
         )
         out = export_hf(net, load_tokenizer(tokenizer_name), args["out"], dtype=dtype)
         print(
-            f"wrote {out} (LlamaForCausalLM, hidden_act=relu, {net.cfg.num_params() / 1e6:.1f}M parameters)"
+            f"wrote {out} (LlamaForCausalLM, hidden_act=relu, {net.cfg.num_params() / 1e6:.2f}M parameters)"
         )
     else:
         from twell.model.hf_io import import_hf

@@ -3,12 +3,15 @@
 Layout of one checkpoint, `<dir>/step_00001000/`:
   .metadata, *.distcp    DCP: model, optimizer and the trainer's replicated state (step, ...)
   rank_00000.pt ...      per rank: data-stream position and RNG states (they differ by rank)
+  config.yaml            the resolved job config of the launch that wrote it (evaluation and export
+                         read the model shape and tokenizer from it; a resume compares shapes with it)
   COMPLETE.json          written last: step, world size, and the size and CRC32 of every file
 
 A checkpoint is written into `step_XXXXXXXX.tmp/` and renamed only once COMPLETE.json is in it, so
 a job killed while saving leaves no directory that looks finished. On resume, a checkpoint whose
 files do not match its COMPLETE.json (or fail to load) is refused with the reason, and the previous
-one is tried.
+one is tried. A checkpoint whose model tensors have other shapes than the model being resumed is
+refused at once (ModelMismatchError), naming the config fields that differ.
 """
 
 import contextlib
@@ -38,6 +41,13 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class ModelMismatchError(CheckpointError):
+    """The checkpoint holds a model of another shape: no older checkpoint of the run would load either."""
+
+
+CONFIG_NAME = "config.yaml"
 
 
 @contextlib.contextmanager
@@ -85,10 +95,15 @@ def _gather_dicts(local: dict, info: DistInfo) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | os.PathLike, keep_last: int, info: DistInfo):
+    def __init__(
+        self, directory: str | os.PathLike, keep_last: int, info: DistInfo, run_config: dict | None = None
+    ):
+        """run_config: the launch's resolved job config (a plain dict), saved as config.yaml into
+        every checkpoint and compared with a checkpoint's own when one does not fit the model."""
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.info = info
+        self.run_config = run_config
 
     # ---------------------------------------------------------------- saving
     def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict) -> Path:
@@ -105,6 +120,8 @@ class Checkpointer:
         with _quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer_state}, checkpoint_id=str(tmp))
         torch.save(rank_state, tmp / f"rank_{self.info.rank:05d}.pt")
+        if self.info.is_main and self.run_config is not None:  # listed and CRC-checked like the rest
+            (tmp / CONFIG_NAME).write_text(config_yaml(self.run_config))
         barrier()
 
         files = [p.name for p in tmp.iterdir() if p.is_file()]
@@ -141,8 +158,9 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     # ---------------------------------------------------------------- loading
-    def verify(self, path: Path) -> dict:
-        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError."""
+    def verify(self, path: Path, same_world: bool = True) -> dict:
+        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError.
+        same_world: also require the world size this job has (resuming needs it, reading does not)."""
         marker = path / MARKER
         if not marker.is_file():
             raise CheckpointError(f"{path} has no {MARKER}: it is partial (the job died while saving)")
@@ -151,7 +169,7 @@ class Checkpointer:
             files = manifest["files"]
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{marker} is unreadable ({err})") from err
-        if manifest.get("world_size") != self.info.world_size:
+        if same_world and manifest.get("world_size") != self.info.world_size:
             raise CheckpointError(
                 f"{path} was written by {manifest.get('world_size')} processes but this job has "
                 f"{self.info.world_size}; the data position is per rank, so resume with the same "
@@ -178,12 +196,43 @@ class Checkpointer:
         `trainer_state` is a template with the keys to read (DCP loads in place)."""
         self.verify(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        self.check_model_fits(path, model_sd)
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_state = torch.load(path / f"rank_{self.info.rank:05d}.pt", weights_only=False)
         return state["trainer"], rank_state
+
+    def check_model_fits(self, path: Path, model_sd: dict) -> None:
+        """Raise ModelMismatchError when the checkpoint's model tensors differ from the model's in
+        names or shapes, naming the model config fields that differ (from the checkpoint's config.yaml)."""
+        with _quiet_single_process():
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        saved = {
+            key.removeprefix("model."): tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(meta, "size")
+        }
+        wanted = {key: tuple(value.shape) for key, value in model_sd.items() if hasattr(value, "shape")}
+        problems = [f"{k}: {list(saved[k])} in the checkpoint, {list(v)} now" for k, v in wanted.items()
+                    if k in saved and saved[k] != v]  # fmt: skip
+        problems += [f"{k} is not in the checkpoint" for k in wanted if k not in saved]
+        problems += [f"{k} is in the checkpoint but not in the model" for k in saved if k not in wanted]
+        if not problems:
+            return
+        fields = []
+        stored = read_checkpoint_config(path)
+        if stored is not None and self.run_config is not None:
+            old, new = stored.get("model") or {}, self.run_config.get("model") or {}
+            fields = [f"model.{k}={old.get(k)!r} in the checkpoint, {new.get(k)!r} now"
+                      for k in new if k != "name" and old.get(k) != new.get(k)]  # fmt: skip
+        shown = "; ".join(fields or problems[:4]) + ("" if fields or len(problems) <= 4 else "; ...")
+        raise ModelMismatchError(
+            f"{path} holds a model of another shape than this launch builds ({shown}). To resume, launch "
+            f"with the checkpoint's model settings (see {path / CONFIG_NAME}, or drop the model overrides); "
+            "to train the new shape, give it a new run_name/run_dir (or checkpoint.resume=none)"
+        )
 
     def load_latest(self, model, optimizer, trainer_state: dict):
         """Resume from the newest checkpoint that verifies and loads on every rank.
@@ -200,6 +249,8 @@ class Checkpointer:
             try:
                 loaded = self.load(path, model, optimizer, trainer_state)
                 failed = 0
+            except ModelMismatchError:
+                raise  # the same on every rank, and true of the older checkpoints too: say it now
             except Exception as err:  # noqa: BLE001 - any failure means "not usable", reported below
                 loaded, failed, reason = None, 1, f"{type(err).__name__}: {err}"
             # Every rank must resume from the same checkpoint.
@@ -216,3 +267,27 @@ class Checkpointer:
                 "ones, point checkpoint.resume at a good one, or set checkpoint.resume=none with a new run_dir"
             )
         return None
+
+
+def config_yaml(run_config: dict) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(run_config))
+
+
+def read_checkpoint_config(path: Path) -> dict | None:
+    """The job config saved in a checkpoint folder (None for checkpoints written before it was)."""
+    from omegaconf import OmegaConf
+
+    candidate = Path(path) / CONFIG_NAME
+    if not candidate.is_file():
+        return None
+    cfg = OmegaConf.to_container(OmegaConf.load(candidate), resolve=False)
+    return cfg if isinstance(cfg, dict) else None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """One process checks every file of a checkpoint against its COMPLETE.json (sizes and CRC32), as a
+    resume does; returns the manifest or raises CheckpointError with the reason. For readers outside
+    training (evaluation, export, activity reports), which have no process group."""
+    return Checkpointer(path.parent, 0, DistInfo(0, 0, 1, torch.device("cpu"))).verify(path, same_world=False)

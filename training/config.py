@@ -7,10 +7,11 @@ the checks that need values (ranges, choices, divisibility) live there and name 
 the fix.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from twell.data import DataConfig
 from twell.model import ModelConfig
@@ -251,6 +252,27 @@ class JobConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or f"{self.run_dir}/checkpoints"
+
+
+def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse keys that no schema field takes (ValueError naming the key and the valid names).
+
+    Hydra's `+group.key=value` (and `+key=value`) adds keys to a structured node anyway, and
+    OmegaConf.to_object sets them as plain attributes, so a typo (`+optim.lrr=1`) would be ignored
+    without a word. Every node typed by a dataclass is checked against its fields."""
+    schema = OmegaConf.get_type(cfg)
+    names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if names is not None and key not in names:
+            where = prefix[:-1] or "the root config"
+            raise ValueError(
+                f"unknown config key {path!r}: {where} has no field {key!r}; the valid names are "
+                f"{', '.join(names)}. Fix the spelling (and drop the leading +), or remove it"
+            )
+        value = cfg._get_node(key)
+        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
+            check_known_keys(value, f"{path}.")
 
 
 def register_configs() -> None:

@@ -7,6 +7,8 @@ imported only when logging.wandb_mode is online or offline.
 import json
 import logging
 import math
+import os
+import time
 import uuid
 from pathlib import Path
 
@@ -68,7 +70,18 @@ class ConsoleSink:
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, disable=None
         )
-        self.last_step = start_step
+        self.last_step = self.start_step = start_step
+        self.total_steps = total_steps
+        self.t0 = time.monotonic()
+
+    def _timing(self, step: int) -> str:
+        """' [elapsed 0:12, eta 3:48]' (this launch's wall time, and the rest at its pace so far): what the
+        bar shows, for output that goes to a file, where there is no bar."""
+        elapsed = time.monotonic() - self.t0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else None
+        eta_text = tqdm.format_interval(eta) if eta is not None else "?"
+        return f" [elapsed {tqdm.format_interval(elapsed)}, eta {eta_text}]"
 
     def log(self, record: dict) -> None:
         step = record["step"]
@@ -83,23 +96,48 @@ class ConsoleSink:
             means = record["active_mean"]
             line += f" active/token {sum(means) / len(means):.1f} (layers {min(means):.1f}..{max(means):.1f})"
             line += f" dead {sum(record['dead_frac']) / len(means):.1%}"
-        self.bar.write(f"step {step}: {line}")
+        if self.bar.disable and "loss" in record:
+            line += self._timing(step)
+        self.bar.write(f"step {step}/{self.total_steps}: {line}")
 
     def close(self) -> None:
         self.bar.close()
 
 
+_WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline"}
+_WANDB_MODES["disabled"] = "disabled"
+
+
+def wandb_mode(cfg: LoggingConfig) -> str:
+    """logging.wandb_mode, unless wandb's own environment says otherwise: WANDB_MODE (online, offline,
+    disabled; wandb's older run/dryrun too) wins over the config, and WANDB_DISABLED=true disables, as
+    wandb users expect (`WANDB_MODE=offline python train.py ... logging=wandb`)."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env:
+        if env not in _WANDB_MODES:
+            raise ValueError(
+                f"WANDB_MODE={env!r} is not one of {tuple(_WANDB_MODES)}; set WANDB_MODE=offline (or unset it "
+                "and use logging.wandb_mode)"
+            )
+        return _WANDB_MODES[env]
+    if os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+        return "disabled"
+    return cfg.wandb_mode
+
+
 class WandbSink:
-    def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict):
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict, mode: str):
         import wandb  # only here: runs without wandb never import it
 
         # A stable id in the run dir lets a resumed job continue the same wandb run.
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
+        # WANDB_PROJECT / WANDB_ENTITY apply where the config keeps its defaults (project twell, no entity).
+        project = os.environ.get("WANDB_PROJECT") if cfg.wandb_project == "twell" else None
         self.run = wandb.init(
-            mode=cfg.wandb_mode,
-            project=cfg.wandb_project,
+            mode=mode,
+            project=project or cfg.wandb_project,
             entity=cfg.wandb_entity,
             tags=list(cfg.wandb_tags),
             name=run_name,
@@ -141,8 +179,9 @@ class RunLogger:
             self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", keep_through_step=start_step))
         if cfg.console:
             self.sinks.append(ConsoleSink(total_steps, start_step))
-        if cfg.wandb_mode != "disabled":
-            self.sinks.append(WandbSink(cfg, run_dir, run_name, config))
+        mode = wandb_mode(cfg)
+        if mode != "disabled":
+            self.sinks.append(WandbSink(cfg, run_dir, run_name, config, mode))
 
     def log(self, record: dict) -> None:
         for sink in self.sinks:

@@ -18,8 +18,10 @@ tensors and are read (one sync) every logging.log_interval steps.
 
 import contextlib
 import functools
+import inspect
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -31,7 +33,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from twell.training.checkpoint import Checkpointer, CheckpointError, capture_rng, restore_rng
+from twell.training.checkpoint import (
+    CONFIG_NAME,
+    Checkpointer,
+    CheckpointError,
+    capture_rng,
+    config_yaml,
+    restore_rng,
+)
 from twell.training.config import JobConfig
 from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
 from twell.training.loggers import RunLogger
@@ -41,6 +50,13 @@ from twell.training.optim import build_optimizer, set_lr
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 log = logging.getLogger(__name__)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class NothingToTrain(ValueError):
+    """train.steps is below the step the run resumed from."""
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -109,6 +125,15 @@ def check_cuda_graph_support(device: torch.device, world_size: int, parallel: st
             f"{parallel}: FSDP2's parameter gathers and gradient reduce-scatters are not captured; set "
             "train.parallel=ddp or train.cuda_graph=false"
         )
+
+
+def _no_buffer_sync() -> dict:
+    """DDP's argument for no per-forward buffer broadcast: forward_sync_buffers=False where PyTorch has
+    it (it deprecates broadcast_buffers with a FutureWarning on every rank; the one broadcast at init
+    it still does is harmless, the buffers being equal), broadcast_buffers=False before."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def micro_loss(model: nn.Module, autocast, input_ids: torch.Tensor, labels: torch.Tensor, l1_coef):
@@ -199,14 +224,16 @@ class Trainer:
                 self.forward_model = DistributedDataParallel(
                     self.model,
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                    broadcast_buffers=False,
+                    **_no_buffer_sync(),
                 )
         self.optimizer = build_optimizer(self.model, job.optim, self.device)
         mcfg = job.model
         self.tracker = ActivityTracker(mcfg.n_layers, mcfg.d_ff, self.device, job.sparsity.dead_window_tokens)
-        self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info)
-        self.step = 0
+        self.run_config = asdict(job)
+        self.checkpointer = Checkpointer(job.checkpoint_dir, job.checkpoint.keep_last, info, self.run_config)
+        self.step = self.start_step = 0
         self.stop_requested = False
+        self.stop_signal = "SIGTERM"  # the name said when stopping; another rank's signal stops this one too
         self.flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
         self.peak_flops = peak_flops(self.device, self.precision, tcfg.peak_flops)
         # Autocast's weight-cast cache is off under CUDA graphs (PyTorch's advice for capture).
@@ -243,7 +270,19 @@ class Trainer:
             self.step, self.model, self.optimizer, self._trainer_state(), self._rank_state()
         )
         self._say(f"saved checkpoint {path}")
+        self.record_config()
         return path
+
+    def record_config(self) -> None:
+        """<run_dir>/config.yaml: the config of the launch that wrote the newest checkpoint (rank 0).
+        Written only once this launch has saved one, so a launch that crashes or trains nothing
+        leaves the record of the checkpoints on disk as it was. Every checkpoint holds its own copy."""
+        if not self.info.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / (CONFIG_NAME + ".tmp")
+        tmp.write_text(config_yaml(self.run_config))
+        tmp.replace(self.run_dir / CONFIG_NAME)
 
     def resume(self) -> int:
         """Load the checkpoint named by checkpoint.resume; returns the step to continue from."""
@@ -273,8 +312,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
-        """Train to train.steps (or until SIGTERM); returns the logged records (rank 0)."""
-        start_step = self.resume()
+        """Train to train.steps (or until SIGTERM / a first SIGINT); returns the logged records (rank 0).
+
+        Raises NothingToTrain when train.steps is below the resumed step; at train.steps exactly the
+        run is complete: it says so and returns no records."""
+        start_step = self.start_step = self.resume()
+        if start_step >= self.total_steps:
+            extend = (
+                f"to extend the run, set train.steps to more than {start_step} (e.g. "
+                f"train.steps={2 * start_step}; the LR schedule spans train.steps); to train anew, give "
+                "it a new run_name/run_dir or checkpoint.resume=none"
+            )
+            if start_step > self.total_steps:
+                raise NothingToTrain(
+                    f"nothing to train: train.steps={self.total_steps} is below step {start_step}, "
+                    f"where this run resumed from {self.checkpointer.dir}; {extend}"
+                )
+            self._say(f"nothing to train: the run is complete at train.steps={self.total_steps}; {extend}")
+            return []
         self.logger = RunLogger(
             self.job.logging,
             self.run_dir,
@@ -295,7 +350,9 @@ class Trainer:
             f"checkpointing {on_off[self.checkpoint_blocks]}, CUDA graphs {on_off[self.graphed is not None]}"
         )
         self._warm_sparse_path()
-        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # SIGTERM (a scheduler's preemption) and a first SIGINT (Ctrl-C) stop after the current step
+        # with a checkpoint; a second SIGINT quits at once (KeyboardInterrupt).
+        previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
         records = []
         last_saved = start_step if start_step > 0 else None
         try:
@@ -314,12 +371,13 @@ class Trainer:
                     last_saved = self.step
                     self._window_t0 = time.perf_counter()  # saving is not training time
                 if any_rank(self.stop_requested):
-                    self._say(f"SIGTERM: stopping at step {self.step}")
+                    self._say(f"{self.stop_signal}: stopping at step {self.step}")
                     break
             if last_saved != self.step and (self.job.checkpoint.save_final or self.stop_requested):
                 self.save_checkpoint()
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
             self.logger.close()
         return records
 
@@ -569,9 +627,19 @@ class Trainer:
         return replica.train(self.model.training)
 
     # ------------------------------------------------------------------ misc
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_stop_signal(self, signum, frame) -> None:
         # Only a flag: the loop saves at the end of the current step, on every rank together.
+        if signum == signal.SIGINT and self.stop_requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: quit now, without saving
         self.stop_requested = True
+        self.stop_signal = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.info.is_main:
+            print(
+                "\nSIGINT: saving a checkpoint after this step, then stopping (Ctrl-C again quits at once, "
+                "without saving)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _say(self, message: str) -> None:
         if self.info.is_main:

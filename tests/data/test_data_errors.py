@@ -114,3 +114,20 @@ def test_token_corpus_with_another_tokenizer(tokenizer, make_docs, token_corpus,
 def test_missing_token_corpus(tokenizer, tmp_path):
     with pytest.raises(FileNotFoundError, match="no token corpus manifest.*build_corpus.py"):
         build(DataConfig(source="tokens", path=str(tmp_path / "corpus")), tokenizer)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["0 bytes", "blank lines"])
+def test_empty_jsonl_names_the_file(tokenizer, tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"empty\.jsonl.*(is empty \(0 bytes\)|holds no documents)"):
+        build(DataConfig(source="local", path=str(path)), tokenizer)
+
+
+def test_missing_path_names_each_folder_once(tokenizer, tmp_path, monkeypatch):
+    from twell.data.paths import PROJECT_ROOT
+
+    monkeypatch.chdir(PROJECT_ROOT)
+    with pytest.raises(FileNotFoundError, match="looked under [^ ]+\\)") as err:
+        build(DataConfig(source="local", path="nowhere/*.parquet"), tokenizer)
+    assert str(err.value).count(str(PROJECT_ROOT)) == 1, err.value

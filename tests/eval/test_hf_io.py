@@ -116,3 +116,22 @@ def test_import_refuses_what_it_cannot_represent(tmp_path):
         import_hf(folder)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         import_hf(tmp_path)
+
+
+def test_a_failed_export_leaves_nothing_behind(tmp_path):
+    net = Transformer(
+        ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=2, d_ff=128, max_seq_len=64)
+    )
+    out = tmp_path / "exported"
+    # Not a tokenizer: the export fails after the weights and config.json are written.
+    with pytest.raises(AttributeError, match="save_pretrained"):
+        export_hf(net, "not a tokenizer", out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    # A previous export is replaced only by a complete one; a folder of other files is refused.
+    export_hf(net, None, out)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="is not a Hugging Face model folder"):
+        export_hf(net, None, tmp_path / "notes")
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"

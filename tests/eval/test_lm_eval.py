@@ -124,3 +124,36 @@ def test_eval_script_on_a_trainer_checkpoint(tmp_path, tiny_model, tiny_tokenize
     assert set(saved["summary"]) == {"arc_easy", "piqa"}
     direct = run_lm_eval(tiny_model, tiny_tokenizer, "arc_easy,piqa", limit=2, offline_dir=offline_tasks)
     assert saved["summary"] == direct["summary"]  # the checkpoint holds the same model
+
+
+def test_readme_eval_command_uses_the_offline_copies_with_the_hub_unreachable(
+    tmp_path, tiny_model, tiny_tokenizer, offline_tasks
+):
+    # The README's command, nothing about offline on the command line, no HF_*_OFFLINE, and a hub
+    # endpoint that refuses connections: the local task copies serve every task, and it says so.
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    run_dir, tok_dir = tmp_path / "run", tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(tok_dir)
+    step = run_dir / "checkpoints" / "step_00000010"
+    dcp.save({"model": tiny_model.state_dict(), "trainer": {"step": 10}}, checkpoint_id=str(step))
+    OmegaConf.save({"model": vars(tiny_model.cfg), "data": {"tokenizer": str(tok_dir)}}, step / "config.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", TWELL_OFFLINE_TASKS=str(offline_tasks))
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "eval.py"), f"checkpoint={run_dir / 'checkpoints'}",
+         "tasks=paper7", "limit=2", "batch_size=4", "device=cpu"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tasks: {', '.join(PAPER7)} from the offline copies in {offline_tasks}" in done.stdout
+    assert "from the Hugging Face hub" not in done.stdout
+    saved = json.loads((run_dir / "checkpoints" / "eval_results.json").read_text())
+    assert set(saved["summary"]) == set(PAPER7)
+    assert saved["checkpoint"] == str(step)  # which step was scored (no COMPLETE.json: read unverified)
+    assert f"reading checkpoint {step} (not verified: no COMPLETE.json)" in done.stderr

@@ -130,3 +130,31 @@ def test_bad_paths_end_the_run_with_the_message(offline_data, tmp_path, capsys, 
     assert train.run(compose_cfg([*tiny_overrides(offline_data, tmp_path, 1), override])) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and re.search(message, error), error
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "+optim.lrr=1",
+            "unknown config key 'optim.lrr': optim has no field 'lrr'; the valid names are lr, ",
+        ),
+        (
+            "+foo=1",
+            "unknown config key 'foo': the root config has no field 'foo'; the valid names are model, ",
+        ),
+        ("+model.dmodel=256", "unknown config key 'model.dmodel'.*d_model"),
+    ],
+)
+def test_unknown_keys_are_refused_with_the_valid_names(override, message):
+    # Hydra's `+key=value` adds the key to the typed node anyway; OmegaConf.to_object would then set
+    # it as a plain attribute and the run would go on without it.
+    with pytest.raises(ValueError, match=message):
+        compose_job(["experiment=quickstart", override])
+
+
+def test_cli_refuses_an_unknown_key(tmp_path):
+    bad = run_cli(["experiment=quickstart", "+optim.lrr=1", f"run_dir={tmp_path}"])
+    assert bad.returncode == 2, bad.stderr
+    assert "error: unknown config key 'optim.lrr'" in bad.stderr
+    assert not any(tmp_path.iterdir())  # nothing recorded for a launch that was refused

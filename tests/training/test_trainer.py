@@ -108,7 +108,9 @@ def test_partial_checkpoint_is_refused_with_its_reason(tmp_path):
         checkpointer.verify(tmp_path / "step_00000003")
 
 
-def test_sigterm_saves_and_the_resumed_run_matches_the_unbroken_one(reference_run, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_and_the_resumed_run_matches_the_unbroken_one(reference_run, tmp_path, stop):
+    # SIGTERM (preemption) and a first Ctrl-C (SIGINT) both save a checkpoint and exit cleanly.
     overrides, _, ref_records = reference_run
     # Many steps, so the signal surely lands mid-run; the LR schedule spans train.steps, so the
     # resumed run below continues with the same steps setting and is cut back by comparing steps.
@@ -124,10 +126,10 @@ def test_sigterm_saves_and_the_resumed_run_matches_the_unbroken_one(reference_ru
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert process.poll() is None and time.time() < deadline, process.communicate()[0]
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output
-    assert "SIGTERM: stopping at step" in output
+    assert f"{stop.name}: stopping at step" in output and "Traceback" not in output, output
     saved = sorted((tmp_path / "checkpoints").glob("step_*"))
     stopped_at = int(saved[-1].name.split("_")[1])
     assert 2 <= stopped_at < 12 and (saved[-1] / MARKER).is_file(), output
@@ -139,6 +141,14 @@ def test_sigterm_saves_and_the_resumed_run_matches_the_unbroken_one(reference_ru
         assert loss == reference[step], f"step {step}: resumed {loss!r} != unbroken {reference[step]!r}"
     # The JSONL reads as one run: the killed run's records up to the checkpoint, then the resumed ones.
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 13))
+
+
+def test_a_second_sigint_quits_at_once(offline_data, tmp_path):
+    trainer = train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path, 2)))
+    trainer._on_stop_signal(signal.SIGINT, None)  # the first: stop after this step, with a checkpoint
+    assert trainer.stop_requested and trainer.stop_signal == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+        trainer._on_stop_signal(signal.SIGINT, None)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +170,7 @@ def parallel_runs(reference_run, tmp_path_factory):
             "dir": run_dir,
             "records": read_jsonl(run_dir / "metrics.jsonl"),
             "out": done.stdout,
+            "err": done.stderr,
         }
     return overrides, runs
 
@@ -168,6 +179,7 @@ def test_two_ddp_and_two_fsdp_processes_match_one(parallel_runs, tmp_path):
     overrides, runs = parallel_runs
     assert "(fp32, DDP), grad_accum 2" in runs["ddp"]["out"]
     assert "(fp32, FSDP2), grad_accum 2" in runs["fsdp"]["out"]
+    assert "broadcast_buffers" not in runs["ddp"]["err"]  # no deprecation warning on every rank
     one = {r["step"]: r for r in run_job([*overrides, f"run_dir={tmp_path}"])}  # grad_accum 4
     assert sum(sum(r["reinit_units"]) for r in one.values()) > 0, "the test needs dead-unit re-inits"
     for parallel, run in runs.items():

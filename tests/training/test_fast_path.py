@@ -63,3 +63,23 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     assert sparse[-1]["seconds"] > sparse[0]["seconds"] > 0
     assert "sparse / dense steady speed" in (tmp_path / "race" / "race.md").read_text()
     assert (tmp_path / "race" / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sparse_block_compiles_without_a_graph_break():
+    """Under the trainer's compile settings the TwELL op stays inside the block's graph (its entry count
+    is a data-dependent size); a graph break would split every sparse block and recompile its pieces."""
+    from twell.model import ModelConfig, Transformer
+    from twell.training.trainer import configure_compile
+
+    torch._dynamo.reset()
+    configure_compile()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Transformer(
+        ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=2, d_ff=128, ffn_impl="twell")
+    )
+    model = model.to(device)
+    x = torch.randn(2, 16, 64, device=device)
+    cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+    explanation = torch._dynamo.explain(model.layers[0])(x, cos, sin)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

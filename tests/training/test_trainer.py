@@ -31,12 +31,13 @@ def read_jsonl(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference_run(offline_data, tmp_path_factory):
-    """12 unbroken steps of the sparse recipe with a strong L1 (so dead units get re-initialised),
-    a checkpoint every 4 steps, all kept."""
+    """12 unbroken steps of the sparse recipe with a strong L1 and a 512-token dead window (two steps), so
+    dead units get re-initialised; a checkpoint every 4 steps, all kept."""
     run_dir = tmp_path_factory.mktemp("reference")
     overrides = tiny_overrides(
         offline_data, run_dir, 12,
-        "sparsity=paper", "sparsity.l1_coef=0.05", "checkpoint.interval=4", "checkpoint.keep_last=0",
+        "sparsity=paper", "sparsity.l1_coef=0.05", "sparsity.dead_window_tokens=512", "checkpoint.interval=4",
+        "checkpoint.keep_last=0",
     )  # fmt: skip
     return overrides, run_dir, run_job(overrides)
 

@@ -83,10 +83,11 @@ class ActivityReport:
             lines.append(f"{i:>5} {cells}")
         return "\n".join(lines)
 
-    def save_json(self, path: str | Path) -> Path:
+    def save_json(self, path: str | Path, **meta) -> Path:
+        """The report as JSON; `meta` (e.g. checkpoint=<the step read>) is recorded beside it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
+        path.write_text(json.dumps({**meta, **self.to_dict()}, indent=1))
         return path
 
 

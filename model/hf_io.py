@@ -107,8 +107,13 @@ def _write_hf(model: Transformer, tokenizer, out: Path, dtype: torch.dtype | Non
         name: t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
         for name, t in to_hf_state_dict(model).items()
     }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    llama_config(model.cfg, dtype or model.tok_embeddings.weight.dtype).save_pretrained(out)
+    source = getattr(model, "source", None)  # the checkpoint step it was read from (eval.load.load_for_eval)
+    metadata = {"format": "pt", **({"twell_source": source} if source else {})}
+    save_file(state, str(out / "model.safetensors"), metadata=metadata)
+    hf_config = llama_config(model.cfg, dtype or model.tok_embeddings.weight.dtype)
+    if source:
+        hf_config.twell_source = source  # kept in config.json: which training step this export holds
+    hf_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 

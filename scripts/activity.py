@@ -141,7 +141,9 @@ def main(argv=None) -> None:
         if args.out
         else (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "activity"
     )
-    json_path = report.save_json(stem.with_suffix(".json"))
+    json_path = report.save_json(
+        stem.with_suffix(".json"), checkpoint=getattr(net, "source", str(checkpoint))
+    )
     png_path = plot_report(report, stem.with_suffix(".png"), title=f"{checkpoint.name}: {what}")
     print(f"wrote {json_path} and {png_path}")
     if capture:

@@ -87,6 +87,16 @@ def test_evaluation_refuses_a_corrupt_newest_checkpoint_naming_it(offline_data, 
         assert torch.equal(net.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="no usable checkpoint in .*step_00000004 is corrupt: .* CRC32"):
         load_for_eval(checkpoints / "step_00000004")
+    # Export and the activity report record the step they read, as eval_results.json does.
+    import activity  # scripts/, on sys.path through tests/conftest.py
+    import hf
+
+    hf.main(["export", f"checkpoint={checkpoints}", f"out={tmp_path / 'exported'}"])
+    exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert exported["twell_source"] == str(checkpoints / "step_00000002")
+    activity.main([f"checkpoint={checkpoints}", "--text", "the cat sat on the mat " * 8, "--seq-len", "32",
+                   "--out", str(tmp_path / "act")])  # fmt: skip
+    assert json.loads((tmp_path / "act.json").read_text())["checkpoint"] == str(checkpoints / "step_00000002")
 
 
 def test_wandb_mode_from_the_environment_wins(offline_data, tmp_path):

@@ -1,5 +1,6 @@
 """Profile a few training steps of a finished race run (resumed from its final checkpoint): CUDA time
 per kernel, top rows, and the step's wall time vs the GPU's busy time."""
+
 import importlib.util
 import sys
 import time

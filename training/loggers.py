@@ -26,6 +26,7 @@ PER_LAYER_KEYS = (
     "dead_frac",
     "overflow_rows",
     "reinit_units",
+    "ffn_sparse",  # 1 where the layer's FFN took the TwELL (sparse) path in the window's last step
 )
 
 
@@ -96,6 +97,8 @@ class ConsoleSink:
             means = record["active_mean"]
             line += f" active/token {sum(means) / len(means):.1f} (layers {min(means):.1f}..{max(means):.1f})"
             line += f" dead {sum(record['dead_frac']) / len(means):.1%}"
+        if "ffn_sparse" in record:
+            line += f" sparse layers {sum(record['ffn_sparse'])}/{len(record['ffn_sparse'])}"
         if self.bar.disable and "loss" in record:
             line += self._timing(step)
         self.bar.write(f"step {step}/{self.total_steps}: {line}")

@@ -580,6 +580,8 @@ class Trainer:
             "peak_mem_gib": peak_memory_gib(self.device),
             **activity,
         }
+        if self.job.model.ffn_impl == "auto":  # the routing per layer, as the next steps will run it
+            record["ffn_sparse"] = [int(ffn._sparse_now) for ffn in self.ffns]
         self.logger.log(record)
         self._reset_window()
         return record

@@ -242,5 +242,7 @@ def test_auto_routing_is_rechecked_with_the_measured_activity(offline_data, tmp_
                                "model.twell_check_interval=2")  # fmt: skip
     trainer = train.build_trainer(compose_job(overrides))
     assert trainer.model.ffn_routing() == [False, False]
-    trainer.fit()
+    records = [r for r in trainer.fit() if "loss" in r]
     assert trainer.model.ffn_routing() == [True, True]
+    # The routing per layer is logged (JSONL, wandb): dense after step 1, sparse after the check at step 2.
+    assert [r["ffn_sparse"] for r in records] == [[0, 0], [1, 1]]

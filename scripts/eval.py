@@ -32,10 +32,18 @@ def main(argv=None) -> None:
     options, overrides = parse_settings(words, SCRIPT_KEYS, f"\n\n{__doc__}")
     from twell.eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
 
-    offline = {"auto": None, "true": True, "false": False}.get(options.get("offline", "auto").lower())
+    choices = {"auto": None, "true": True, "false": False}
+    given = options.get("offline", "auto").lower()
+    if given not in choices:
+        raise ValueError(f"offline={given!r} must be auto, true or false")
+    offline = choices[given]
     limit = options.get("limit")
     limit = None if limit in (None, "", "none") else (float(limit) if "." in limit else int(limit))
     device = options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    from twell.eval.tasks import describe_sources
+
+    tasks = options.get("tasks", "paper7")
+    sources = describe_sources(tasks, offline, options.get("offline_tasks"))  # bad tasks stop here, first
 
     net, tokenizer_name = load_for_eval(
         options["checkpoint"], preset=options.get("model"), tokenizer=options.get("tokenizer"), **overrides
@@ -44,10 +52,7 @@ def main(argv=None) -> None:
     print(
         f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, tokenizer: {tokenizer_name}, device: {device}"
     )
-    from twell.eval.tasks import describe_sources
-
-    tasks = options.get("tasks", "paper7")
-    print(describe_sources(tasks, offline, options.get("offline_tasks")), flush=True)
+    print(sources, flush=True)
     results = run_lm_eval(
         net.to(device),
         tokenizer,
@@ -69,4 +74,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:  # bad input: its message names the fix, as train.py's
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

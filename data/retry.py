@@ -50,8 +50,14 @@ def _chain(err: BaseException):
 
 
 def is_retryable(err: BaseException) -> bool:
-    """True for HTTP 408/425/429/5xx, timeouts and dropped connections anywhere in err's cause chain."""
-    for link in _chain(err):
+    """True for HTTP 408/425/429/5xx, timeouts and dropped connections anywhere in err's cause chain.
+
+    Offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) refusing a request is a ConnectionError too,
+    but waiting never fixes it."""
+    links = list(_chain(err))
+    if any("OfflineModeIsEnabled" in f"{type(link).__name__} {link}" for link in links):
+        return False
+    for link in links:
         status = _status(link)
         if status is not None:
             return status in RETRY_STATUS

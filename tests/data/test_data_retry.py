@@ -95,6 +95,7 @@ def test_backoff_is_exponential_with_jitter_and_bounded():
         status = 404
 
     assert not is_retryable(NotFound()) and is_retryable(TimeoutError()) and is_retryable(Unavailable())
+    assert not is_retryable(ConnectionError("Couldn't reach x on the Hub (OfflineModeIsEnabled)"))
     try:
         try:
             raise Unavailable()

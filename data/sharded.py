@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -72,10 +73,9 @@ def source_files(cfg: DataConfig) -> list[str]:
 def resolve_units(cfg: DataConfig) -> list[dict[str, Any]]:
     """Row groups of the training files: {"file", "row_group", "start", "rows", "bytes"}, head cut off."""
     files = source_files(cfg)
-    units = []
-    for file in files:
 
-        def footer(file=file):
+    def footer(file):
+        def read():
             handle, parquet = _open_parquet(file)
             with handle:
                 meta = parquet.metadata
@@ -84,11 +84,17 @@ def resolve_units(cfg: DataConfig) -> list[dict[str, Any]]:
                     for i in range(meta.num_row_groups)
                 ]
 
-        for index, (rows, size) in enumerate(
-            with_retries(footer, what=file, tries=cfg.retries, backoff_s=cfg.retry_backoff_s)
-        ):
-            if rows:
-                units.append({"file": file, "row_group": index, "start": 0, "rows": rows, "bytes": size})
+        return with_retries(read, what=file, tries=cfg.retries, backoff_s=cfg.retry_backoff_s)
+
+    # one footer per file: a hub split has hundreds, fetched a few at a time
+    with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
+        footers = list(pool.map(footer, files))
+    units = [
+        {"file": file, "row_group": index, "start": 0, "rows": rows, "bytes": size}
+        for file, groups in zip(files, footers)
+        for index, (rows, size) in enumerate(groups)
+        if rows
+    ]
     head = cfg.val_docs
     while head and units:
         unit = units[0]

@@ -63,6 +63,9 @@ class DataConfig:
     # Remote reads (hub, http): attempts in all on HTTP 429 / 5xx / timeouts, and the first backoff
     # (doubled per attempt, full jitter, at most 60 s) before a clear error naming the file.
     retries: int = 8
+    # micro-batches a background thread reads, tokenizes and packs ahead of the training loop
+    # (data/prefetch.py); 0: on the training thread. Resume is exact for any value.
+    prefetch: int = 0
     retry_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ class DataConfig:
                 "data.sharding='files' reads parquet text; a token corpus (data.source=tokens) is read "
                 "with data.sharding=documents"
             )
+        if self.prefetch < 0:
+            raise ValueError(f"data.prefetch={self.prefetch} must be >= 0 (0 = no background thread)")
         if self.retry_backoff_s < 0:
             raise ValueError(f"data.retry_backoff_s={self.retry_backoff_s} must be >= 0 (seconds)")
         for name in ("shuffle_buffer", "tokenize_batch", "retries"):

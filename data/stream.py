@@ -22,6 +22,7 @@ import numpy as np
 
 from twell.data.config import DataConfig
 from twell.data.packing import LaneBuffer, rows_to_batch
+from twell.data.prefetch import Prefetcher
 from twell.data.reader import DocumentReader
 from twell.data.sharded import RowGroupSource, assign_units, fingerprint, resolve_units_once
 from twell.data.sources import open_source
@@ -279,11 +280,13 @@ class ValidationBatches:
 
 def build_train_stream(
     cfg, tokenizer, seq_len: int, micro_batch: int, rank: int, world_size: int, grad_accum: int, seed: int
-) -> PackedStream | LaneStream:
+) -> Prefetcher:
+    """Rank `rank`'s micro-batches: a PackedStream (data.sharding=documents) or a LaneStream (files),
+    behind a Prefetcher (data.prefetch batches made ahead on a thread; 0: none)."""
     cfg = DataConfig.from_any(cfg)
     _check_layout(seq_len, micro_batch, rank, world_size, grad_accum)
     if cfg.sharding == "files":
-        return LaneStream(
+        stream = LaneStream(
             cfg,
             resolve_units_once(cfg, world_size),
             _text_encoder(tokenizer),
@@ -295,9 +298,10 @@ def build_train_stream(
             grad_accum=grad_accum,
             seed=seed,
         )
+        return Prefetcher(stream, cfg.prefetch)
     source = open_source(cfg, "train", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
     head = cfg.val_docs if _held_out_head(cfg) else 0
-    return _stream(
+    stream = _stream(
         cfg,
         tokenizer,
         source,
@@ -312,6 +316,7 @@ def build_train_stream(
         limit_docs=None,
         max_epochs=cfg.max_epochs,
     )
+    return Prefetcher(stream, cfg.prefetch)
 
 
 def build_val_stream(

@@ -46,7 +46,8 @@ class TextSource:
         if cfg.source == "local" or files is not None:
             self.files = expand_files(files or cfg.path, "data.val_path" if files else "data.path")
             self.format = cfg.local_format(self.files)
-            self.description = f"{len(self.files)} local {self.format} file(s) ({self.files[0]}, ...)"
+            where = "remote" if is_url(self.files[0]) else "local"
+            self.description = f"{len(self.files)} {where} {self.format} file(s) ({self.files[0]}, ...)"
         else:
             self.files = None
             self.description = f"hub dataset {cfg.hf_name} ({cfg.hf_subset or 'default'}, split {self.split})"

@@ -103,3 +103,29 @@ def test_backoff_is_exponential_with_jitter_and_bounded():
             raise FileNotFoundError("http://host/x.parquet") from err  # what fsspec's HTTP open does
     except FileNotFoundError as wrapped:
         assert is_retryable(wrapped)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_documents_layout_reopens_at_its_position(status, flaky_files, tokenizer, make_docs, tmp_path):
+    """data.sharding=documents reads through HF datasets: a failed open of the next file in the middle
+    of the stream re-opens the dataset at its last state, and the batches are the local ones."""
+    docs = make_docs(40, max_words=5)
+    urls = served(flaky_files, docs, shards=2)
+    common = dict(shuffle=False, shuffle_buffer=2, tokenize_batch=1, retries=6, retry_backoff_s=0.01)
+    local = DataConfig(source="local", path=str(tmp_path / "served" / "part-*.parquet"), **common)
+    want = first_rows(local, tokenizer, n=60)
+    stream = build_train_stream(
+        DataConfig(source="local", path=urls, **common),
+        tokenizer,
+        8,
+        1,
+        rank=0,
+        world_size=1,
+        grad_accum=1,
+        seed=0,
+    )
+    got = [next(stream)["input_ids"].tolist() for _ in range(3)]  # the first file is open by now
+    flaky_files.fail(2, status)
+    got += [next(stream)["input_ids"].tolist() for _ in range(57)]
+    assert flaky_files.failed == 2
+    assert got == want

@@ -136,3 +136,36 @@ def test_too_few_row_groups_for_the_lanes_is_a_clear_error(tokenizer, make_docs,
     jsonl = DataConfig(source="local", path=write_docs(make_docs(10), "json"), sharding="files")
     with pytest.raises(ValueError, match="reads parquet row groups.*data.sharding=documents"):
         build_train_stream(jsonl, tokenizer, 8, 1, rank=0, world_size=1, grad_accum=1, seed=0)
+
+
+def _resolve_on_rank(rank, world_size, init_file, folder, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        from twell.data.sharded import resolve_units_once
+
+        # only rank 0 sees the data: the others must get the unit list from its broadcast
+        path = folder if rank == 0 else "/nonexistent/twell/*.parquet"
+        try:
+            units = resolve_units_once(DataConfig(source="local", path=path, sharding="files"), world_size)
+            result = {"units": units}
+        except ValueError as err:
+            result = {"error": str(err)}
+        torch.save(result, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_rank_0_resolves_the_files_once_and_broadcasts(ok, make_docs, write_docs, tmp_path):
+    import torch.multiprocessing as mp
+
+    folder = write_docs(make_docs(20), shards=3) if ok else str(tmp_path / "missing" / "*.parquet")
+    mp.spawn(_resolve_on_rank, args=(2, tmp_path / "init", folder, tmp_path), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    if ok:
+        assert results[0] == results[1] and len(results[0]["units"]) == 3
+    else:
+        assert all("rank 0 could not resolve the data files" in r["error"] for r in results)
+        assert all("missing" in r["error"] for r in results)

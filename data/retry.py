@@ -81,30 +81,37 @@ def with_retries(
     backoff_s: float,
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
+    failed: BaseException | None = None,
 ) -> T:
-    """fn(), retried on retryable errors up to `tries` attempts in all; RemoteReadError naming `what` after."""
-    rng = rng or random.Random()
-    for attempt in range(tries):
-        try:
-            return fn()
-        except Exception as err:
-            if not is_retryable(err):
-                raise
-            if attempt + 1 >= tries:
-                raise RemoteReadError(
-                    f"reading {what} failed {tries} time(s) in a row, last with {type(err).__name__}: {err}. "
-                    "The host keeps refusing (rate limit, outage or timeouts): retry later, raise "
-                    "data.retries / data.retry_backoff_s, or use local data (data.source=local or tokens)."
-                ) from err
-            delay = rng.uniform(0, min(MAX_BACKOFF_S, backoff_s * 2**attempt))
-            log.warning(
-                "data: reading %s failed (%s: %s); retry %d of %d in %.1f s",
-                what,
-                type(err).__name__,
-                err,
-                attempt + 1,
-                tries - 1,
-                delay,
-            )
-            sleep(delay)
-    raise AssertionError("unreachable")  # tries >= 1 is checked by DataConfig
+    """fn(), retried on retryable errors up to `tries` attempts in all; RemoteReadError naming `what` after.
+
+    failed: the retryable error of a first attempt the caller already made (it counts as one)."""
+    attempt = 0
+    while True:
+        if failed is None:
+            try:
+                return fn()
+            except Exception as err:
+                if not is_retryable(err):
+                    raise
+                failed = err
+        if attempt + 1 >= tries:
+            raise RemoteReadError(
+                f"reading {what} failed {tries} time(s) in a row, last with {type(failed).__name__}: {failed}. "
+                "The host keeps refusing (rate limit, outage or timeouts): retry later, raise "
+                "data.retries / data.retry_backoff_s, or use local data (data.source=local or tokens)."
+            ) from failed
+        rng = rng or random.Random()
+        delay = rng.uniform(0, min(MAX_BACKOFF_S, backoff_s * 2**attempt))
+        log.warning(
+            "data: reading %s failed (%s: %s); retry %d of %d in %.1f s",
+            what,
+            type(failed).__name__,
+            failed,
+            attempt + 1,
+            tries - 1,
+            delay,
+        )
+        sleep(delay)
+        attempt += 1
+        failed = None

@@ -135,25 +135,36 @@ class TextSource:
 
     def next_document(self) -> str | None:
         """The next document; a failed remote read re-opens the files at the last position (as a resume does)."""
-
-        def attempt():
-            try:
-                return next(self._iterator)[self.cfg.text_column]
-            except StopIteration:
-                return None
-            except Exception as err:
-                if is_retryable(err):  # the next attempt starts from where the last document ended
-                    position = self._dataset.state_dict()
-                    self._iterator = None
-                    self._resume_at = position
+        try:
+            return self._next()
+        except Exception as err:
+            if not is_retryable(err):
                 raise
+            failed = err
 
         def reopen_then_read():
             if self._iterator is None:
                 self._open(self._epoch, self._resume_at)
-            return attempt()
+            return self._next()
 
-        return self._retry(reopen_then_read)
+        return with_retries(
+            reopen_then_read,
+            what=self.description,
+            tries=self.cfg.retries,
+            backoff_s=self.cfg.retry_backoff_s,
+            failed=failed,
+        )
+
+    def _next(self) -> str | None:
+        try:
+            return next(self._iterator)[self.cfg.text_column]
+        except StopIteration:
+            return None
+        except Exception as err:
+            if is_retryable(err):  # the next attempt re-opens where the last document ended
+                self._resume_at = self._dataset.state_dict()
+                self._iterator = None
+            raise
 
     def position(self) -> dict[str, Any]:
         return self._dataset.state_dict()

@@ -79,12 +79,19 @@ def resolve_units(cfg: DataConfig) -> list[dict[str, Any]]:
             handle, parquet = _open_parquet(file)
             with handle:
                 meta = parquet.metadata
-                return [
+                columns = parquet.schema_arrow.names
+                return columns, [
                     (meta.row_group(i).num_rows, meta.row_group(i).total_byte_size)
                     for i in range(meta.num_row_groups)
                 ]
 
-        return with_retries(read, what=file, tries=cfg.retries, backoff_s=cfg.retry_backoff_s)
+        columns, groups = with_retries(read, what=file, tries=cfg.retries, backoff_s=cfg.retry_backoff_s)
+        if cfg.text_column not in columns:
+            raise ValueError(
+                f"{file} has no {cfg.text_column!r} column (columns: {columns}); "
+                "set data.text_column to the column that holds the document text"
+            )
+        return groups
 
     # one footer per file: a hub split has hundreds, fetched a few at a time
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
@@ -210,14 +217,9 @@ class RowGroupSource:
                 self._close()  # the next attempt re-opens the file
                 raise
 
-        try:
-            table = with_retries(
-                read, what=unit["file"], tries=self.cfg.retries, backoff_s=self.cfg.retry_backoff_s
-            )
-        except KeyError as err:
-            raise ValueError(
-                f"{unit['file']} has no {self.cfg.text_column!r} column; set data.text_column"
-            ) from err
+        table = with_retries(
+            read, what=unit["file"], tries=self.cfg.retries, backoff_s=self.cfg.retry_backoff_s
+        )
         column = table.column(self.cfg.text_column)
         self.bytes_read += unit["bytes"]
         self.rows_read += unit["rows"]

@@ -133,6 +133,13 @@ def test_too_few_row_groups_for_the_lanes_is_a_clear_error(tokenizer, make_docs,
     cfg = DataConfig(source="local", path=write_docs(make_docs(10), shards=2), sharding="files")
     with pytest.raises(ValueError, match=r"2 row group\(s\) for 4 lanes.*data.sharding=documents"):
         build_train_stream(cfg, tokenizer, 8, 1, rank=0, world_size=2, grad_accum=2, seed=0)
+    other = DataConfig(
+        source="local", path=write_docs(make_docs(10), column="body", name="body"), sharding="files"
+    )
+    with pytest.raises(
+        ValueError, match=r"part-000.parquet has no 'text' column \(columns: \['body', 'id'\]\)"
+    ):
+        build_train_stream(other, tokenizer, 8, 1, rank=0, world_size=1, grad_accum=1, seed=0)
     jsonl = DataConfig(source="local", path=write_docs(make_docs(10), "json"), sharding="files")
     with pytest.raises(ValueError, match="reads parquet row groups.*data.sharding=documents"):
         build_train_stream(jsonl, tokenizer, 8, 1, rank=0, world_size=1, grad_accum=1, seed=0)

@@ -162,8 +162,8 @@ def fingerprint(units: list[dict[str, Any]]) -> str:
 class RowGroupSource:
     """One lane's documents: the text column of its parquet row groups, read with retries.
 
-    ``bytes_read`` and ``rows_read`` count what was fetched (a row group's uncompressed column bytes),
-    for tests and the benchmark."""
+    ``bytes_read`` (the row groups' sizes in the footer, all columns, uncompressed) and ``rows_read``
+    count the row groups read, for tests and the benchmark."""
 
     tokenized = False
 

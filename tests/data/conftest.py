@@ -122,7 +122,7 @@ class FlakyFiles:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.folder = folder
-        self.fail_first, self.status, self.requests, self.failed = 0, 503, 0, 0
+        self.fail_first, self.status, self.requests, self.failed, self.bytes_served = 0, 503, 0, 0, 0
         lock, files = threading.Lock(), self
 
         class Handler(BaseHTTPRequestHandler):
@@ -164,6 +164,8 @@ class FlakyFiles:
                 self.end_headers()
                 if body:
                     self.wfile.write(data[start:end])
+                    with lock:
+                        files.bytes_served += end - start
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import write_documents
 from test_data_lanes import global_batches
 from test_data_resume import assert_same_batches, roundtrip
 
@@ -74,6 +75,27 @@ def test_ranks_partition_the_stream(world_size, tokenizer, make_docs, tmp_path, 
     total = sum(bytes_read)
     assert max(bytes_read) <= 1.1 * total / world_size, bytes_read
     assert max(rows_read) <= 1.1 * (len(docs) + world_size) / world_size, rows_read
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_fetched_per_rank_over_http(world_size, flaky_files, tokenizer, make_docs):
+    """The bytes a local HTTP server (standing in for the hub) sends each rank for one epoch of its
+    lanes: about 1/world_size of the files, each file sent to one rank only."""
+    docs = make_docs(1600, max_words=30)  # 200 documents a file: file sizes within a few percent
+    write_documents(docs, flaky_files.folder, "parquet", shards=8)
+    urls = ",".join(f"{flaky_files.url}/part-{i:03d}.parquet" for i in range(8))
+    cfg = DataConfig(source="local", path=urls, sharding="files", max_epochs=1)
+    served = []
+    for rank in range(world_size):
+        stream = build_train_stream(
+            cfg, tokenizer, 8, 1, rank=rank, world_size=world_size, grad_accum=2, seed=0
+        )
+        before = flaky_files.bytes_served  # resolving the files read their footers: not the data
+        drain(stream)
+        served.append(flaky_files.bytes_served - before)
+    total = sum(f.stat().st_size for f in flaky_files.folder.glob("*.parquet"))
+    assert sum(served) <= 1.05 * total, (served, total)  # no file fetched twice
+    assert max(served) <= 1.1 * total / world_size, (served, total)
 
 
 @pytest.mark.parametrize("layouts", [[(1, 4), (2, 2), (4, 1)]])

@@ -3,15 +3,14 @@ real HTTP stack (fsspec + aiohttp under HF datasets) against a local server stan
 a persistent failure ends with a clear error naming the file."""
 
 import pytest
-from conftest import write_documents
 
 from twell.data import DataConfig, build_train_stream
 from twell.data.retry import RemoteReadError, is_retryable, with_retries
 
 
-def served(flaky_files, docs, shards=2):
-    """docs written as parquet files into the served folder; their URLs, comma-separated."""
-    write_documents(docs, flaky_files.folder, "parquet", shards)
+def served(flaky_files, write_docs, docs, shards=2):
+    """docs written as parquet files into the served folder (tmp_path / "served"); their URLs."""
+    write_docs(docs, shards=shards, name="served")
     return ",".join(f"{flaky_files.url}/part-{i:03d}.parquet" for i in range(shards))
 
 
@@ -21,10 +20,10 @@ def first_rows(cfg, tokenizer, n=6):
 
 
 @pytest.mark.parametrize("status", [429, 503])
-def test_failed_requests_are_retried(status, flaky_files, tokenizer, make_docs, tmp_path):
+def test_failed_requests_are_retried(status, flaky_files, tokenizer, make_docs, tmp_path, write_docs):
     """Fails while the files are resolved, then again in the middle of reading: same batches as local."""
     docs = make_docs(40, max_words=5)
-    urls = served(flaky_files, docs, shards=4)
+    urls = served(flaky_files, write_docs, docs, shards=4)
     local = DataConfig(
         source="local",
         path=str(tmp_path / "served" / "part-*.parquet"),
@@ -54,8 +53,8 @@ def test_failed_requests_are_retried(status, flaky_files, tokenizer, make_docs, 
     assert got == want
 
 
-def test_persistent_failure_names_the_file(flaky_files, tokenizer, make_docs):
-    urls = served(flaky_files, make_docs(10))
+def test_persistent_failure_names_the_file(flaky_files, tokenizer, make_docs, write_docs):
+    urls = served(flaky_files, write_docs, make_docs(10))
     flaky_files.fail(10**6, 503)
     cfg = DataConfig(
         source="local", path=urls, shuffle=False, sharding="files", retries=3, retry_backoff_s=0.01
@@ -65,8 +64,8 @@ def test_persistent_failure_names_the_file(flaky_files, tokenizer, make_docs):
     assert flaky_files.url in str(info.value)
 
 
-def test_missing_file_is_not_retried(flaky_files, tokenizer, make_docs):
-    urls = served(flaky_files, make_docs(10)) + f",{flaky_files.url}/missing.parquet"
+def test_missing_file_is_not_retried(flaky_files, tokenizer, make_docs, write_docs):
+    urls = served(flaky_files, write_docs, make_docs(10)) + f",{flaky_files.url}/missing.parquet"
     cfg = DataConfig(
         source="local", path=urls, shuffle=False, sharding="files", retries=5, retry_backoff_s=0.01
     )
@@ -106,11 +105,13 @@ def test_backoff_is_exponential_with_jitter_and_bounded():
 
 
 @pytest.mark.parametrize("status", [429, 503])
-def test_documents_layout_reopens_at_its_position(status, flaky_files, tokenizer, make_docs, tmp_path):
+def test_documents_layout_reopens_at_its_position(
+    status, flaky_files, tokenizer, make_docs, tmp_path, write_docs
+):
     """data.sharding=documents reads through HF datasets: a failed open of the next file in the middle
     of the stream re-opens the dataset at its last state, and the batches are the local ones."""
     docs = make_docs(40, max_words=5)
-    urls = served(flaky_files, docs, shards=2)
+    urls = served(flaky_files, write_docs, docs, shards=2)
     common = dict(shuffle=False, shuffle_buffer=2, tokenize_batch=1, retries=6, retry_backoff_s=0.01)
     local = DataConfig(source="local", path=str(tmp_path / "served" / "part-*.parquet"), **common)
     want = first_rows(local, tokenizer, n=60)

@@ -6,7 +6,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import write_documents
 from test_data_lanes import global_batches
 from test_data_resume import assert_same_batches, roundtrip
 
@@ -78,11 +77,11 @@ def test_ranks_partition_the_stream(world_size, tokenizer, make_docs, tmp_path, 
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bytes_fetched_per_rank_over_http(world_size, flaky_files, tokenizer, make_docs):
+def test_bytes_fetched_per_rank_over_http(world_size, flaky_files, tokenizer, make_docs, write_docs):
     """The bytes a local HTTP server (standing in for the hub) sends each rank for one epoch of its
     lanes: about 1/world_size of the files, each file sent to one rank only."""
     docs = make_docs(1600, max_words=30)  # 200 documents a file: file sizes within a few percent
-    write_documents(docs, flaky_files.folder, "parquet", shards=8)
+    write_docs(docs, shards=8, name="served")  # the folder flaky_files serves
     urls = ",".join(f"{flaky_files.url}/part-{i:03d}.parquet" for i in range(8))
     cfg = DataConfig(source="local", path=urls, sharding="files", max_epochs=1)
     served = []

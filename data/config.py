@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SOURCES = ("local", "hub", "tokens")
+SHARDINGS = ("documents", "files")
 LOCAL_FORMATS = ("parquet", "json", "text")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")
 _EXTENSION_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
@@ -54,6 +55,18 @@ class DataConfig:
     tokenize_batch: int = 256
     # None: loop over the data forever (epochs are counted and logged).
     max_epochs: int | None = None
+    # How the N = world_size * grad_accum lanes share the training data (docs/TRAINING.md, "Data"):
+    # "documents": every rank reads the whole stream, document i goes to lane i mod N;
+    # "files": parquet files / row groups are split over the lanes once, so a rank reads ~1/world_size
+    # of the bytes (local parquet, http(s):// or hf:// parquet URLs, or a hub dataset of parquet files).
+    sharding: str = "documents"
+    # Remote reads (hub, http): attempts in all on HTTP 429 / 5xx / timeouts, and the first backoff
+    # (doubled per attempt, full jitter, at most 60 s) before a clear error naming the file.
+    retries: int = 8
+    # micro-batches a background thread reads, tokenizes and packs ahead of the training loop
+    # (data/prefetch.py); 0: on the training thread. Resume is exact for any value.
+    prefetch: int = 0
+    retry_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,7 +90,18 @@ class DataConfig:
             raise ValueError("data.text_column is empty: name the column that holds the document text")
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: give a hub name or a local tokenizer folder")
-        for name in ("shuffle_buffer", "tokenize_batch"):
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"data.sharding={self.sharding!r} is not one of {SHARDINGS}")
+        if self.sharding == "files" and self.source == "tokens":
+            raise ValueError(
+                "data.sharding='files' reads parquet text; a token corpus (data.source=tokens) is read "
+                "with data.sharding=documents"
+            )
+        if self.prefetch < 0:
+            raise ValueError(f"data.prefetch={self.prefetch} must be >= 0 (0 = no background thread)")
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"data.retry_backoff_s={self.retry_backoff_s} must be >= 0 (seconds)")
+        for name in ("shuffle_buffer", "tokenize_batch", "retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name}={getattr(self, name)} must be >= 1")
         if self.val_docs < 0:

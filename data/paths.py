@@ -29,6 +29,9 @@ def expand_files(spec: str, what: str) -> list[str]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        if is_url(part):  # http(s)://, hf://, s3://: read through fsspec, taken as given (no globbing)
+            files.append(part)
+            continue
         matches = _matches(part) or _matches(str(PROJECT_ROOT / part))
         if not matches:
             raise FileNotFoundError(
@@ -39,6 +42,10 @@ def expand_files(spec: str, what: str) -> list[str]:
     if not files:
         raise ValueError(f"{what} is empty ({spec!r}): give a file, a folder or a glob")
     return files
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
 
 
 def _under() -> str:

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from twell.data.config import DataConfig
-from twell.data.paths import expand_files
+from twell.data.paths import expand_files, is_url
+from twell.data.retry import is_retryable, with_retries
 from twell.data.token_shards import ShardDocuments, read_manifest, token_dtype
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,15 @@ class TextSource:
         if cfg.source == "local" or files is not None:
             self.files = expand_files(files or cfg.path, "data.val_path" if files else "data.path")
             self.format = cfg.local_format(self.files)
-            self.description = f"{len(self.files)} local {self.format} file(s) ({self.files[0]}, ...)"
+            where = "remote" if is_url(self.files[0]) else "local"
+            self.description = f"{len(self.files)} {where} {self.format} file(s) ({self.files[0]}, ...)"
         else:
             self.files = None
             self.description = f"hub dataset {cfg.hf_name} ({cfg.hf_subset or 'default'}, split {self.split})"
         self._dataset = None
         self._iterator = None
+        self._epoch = 0
+        self._resume_at = None
         self._check_text_column()
 
     def _build(self, epoch: int):
@@ -60,7 +64,7 @@ class TextSource:
             files = list(self.files)
             if self.shuffle_files:
                 files = [files[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(files))]
-            empty = [f for f in files if os.path.getsize(f) == 0]
+            empty = [f for f in files if not is_url(f) and os.path.getsize(f) == 0]
             if empty:
                 more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
                 raise ValueError(
@@ -94,13 +98,19 @@ class TextSource:
             ) from err
         return dataset if self.cfg.streaming else dataset.to_iterable_dataset()
 
+    def _retry(self, fn):
+        return with_retries(
+            fn, what=self.description, tries=self.cfg.retries, backoff_s=self.cfg.retry_backoff_s
+        )
+
     def _check_text_column(self) -> None:
-        dataset = self._build(epoch=0)
-        columns = dataset.column_names
-        try:
-            first = next(iter(dataset))
-        except StopIteration:
-            raise ValueError(f"{self.description} holds no documents") from None
+        def first_record():
+            dataset = self._build(epoch=0)
+            return dataset.column_names, next(iter(dataset), None)
+
+        columns, first = self._retry(first_record)
+        if first is None:
+            raise ValueError(f"{self.description} holds no documents")
         columns = columns or list(first)
         if self.cfg.text_column not in first:
             raise ValueError(
@@ -114,16 +124,47 @@ class TextSource:
             )
 
     def open(self, epoch: int, position: dict[str, Any] | None) -> None:
+        self._epoch = epoch
+        self._retry(lambda: self._open(epoch, position))
+
+    def _open(self, epoch: int, position: dict[str, Any] | None) -> None:
         self._dataset = self._build(epoch)
         if position is not None:
             self._dataset.load_state_dict(position)
         self._iterator = iter(self._dataset)
 
     def next_document(self) -> str | None:
+        """The next document; a failed remote read re-opens the files at the last position (as a resume does)."""
+        try:
+            return self._next()
+        except Exception as err:
+            if not is_retryable(err):
+                raise
+            failed = err
+
+        def reopen_then_read():
+            if self._iterator is None:
+                self._open(self._epoch, self._resume_at)
+            return self._next()
+
+        return with_retries(
+            reopen_then_read,
+            what=self.description,
+            tries=self.cfg.retries,
+            backoff_s=self.cfg.retry_backoff_s,
+            failed=failed,
+        )
+
+    def _next(self) -> str | None:
         try:
             return next(self._iterator)[self.cfg.text_column]
         except StopIteration:
             return None
+        except Exception as err:
+            if is_retryable(err):  # the next attempt re-opens where the last document ended
+                self._resume_at = self._dataset.state_dict()
+                self._iterator = None
+            raise
 
     def position(self) -> dict[str, Any]:
         return self._dataset.state_dict()

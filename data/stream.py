@@ -5,6 +5,10 @@ documents with EOS and is cut into rows of seq_len + 1 tokens, micro_batch rows 
 Rank r serves lanes r*A .. r*A + A - 1 in turn, so micro-step k of an optimizer step is lane r*A + k
 and the global batch of a step is the same for every (world_size, grad_accum) with the same
 product. Every rank reads the whole document sequence but tokenizes only its own lanes' documents.
+
+With data.sharding=files (data/sharded.py) each lane instead reads its own parquet row groups
+(LaneStream): a rank reads only its lanes' share of the bytes, and the global batch still depends
+only on the lane count.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import numpy as np
 
 from twell.data.config import DataConfig
 from twell.data.packing import LaneBuffer, rows_to_batch
+from twell.data.prefetch import Prefetcher
 from twell.data.reader import DocumentReader
+from twell.data.sharded import RowGroupSource, assign_units, fingerprint, resolve_units_once
 from twell.data.sources import open_source
 
 log = logging.getLogger(__name__)
@@ -116,20 +122,144 @@ class PackedStream:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"data state version {state.get('version')!r}, expected {STATE_VERSION}")
-        changed = {k: (v, self.layout.get(k)) for k, v in state["layout"].items() if self.layout.get(k) != v}
-        if changed:
-            detail = ", ".join(f"{k}: saved {old!r} now {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
-                f"data state was saved with a different layout ({detail}); resume with the same "
-                "world_size * grad_accum, rank, seed and data settings, or start the data from scratch"
-            )
+        _check_state(state, self.layout)
         self.reader.load_state_dict(state["reader"])
         for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
             buffer.load_state_dict(tokens)
         self._next_lane = state["next_lane"]
         self._exhausted = False
+
+
+class LaneStream:
+    """data.sharding=files: the same micro-batches interface as PackedStream, one reader per lane."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        units: list[dict[str, Any]],
+        encode,
+        *,
+        eos_id: int,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        grad_accum: int,
+        seed: int,
+    ) -> None:
+        num_lanes = world_size * grad_accum
+        lanes = assign_units(units, num_lanes)
+        self.encode = encode
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.tokenize_batch = cfg.tokenize_batch
+        self.sources = [
+            RowGroupSource(cfg, [units[i] for i in lanes[lane]], lane, seed, cfg.shuffle)
+            for lane in range(rank * grad_accum, rank * grad_accum + grad_accum)
+        ]
+        self.readers = [
+            DocumentReader(
+                source,
+                keep=lambda number: True,
+                block_size=cfg.shuffle_buffer,
+                shuffle=cfg.shuffle,
+                seed=seed * 1_000_003 + source.lane,  # lanes draw different block permutations
+                max_epochs=cfg.max_epochs,
+            )
+            for source in self.sources
+        ]
+        self.layout = {
+            "sharding": "files",
+            "num_lanes": num_lanes,
+            "rank": rank,
+            "grad_accum": grad_accum,
+            "seed": seed,
+            "shuffle": cfg.shuffle,
+            "block_size": cfg.shuffle_buffer,
+            "eos_id": eos_id,
+            "add_eos": cfg.add_eos,
+            "held_out_head": cfg.val_docs,
+            "units": fingerprint(units),
+        }
+        self._buffers = [LaneBuffer(eos_id, cfg.add_eos) for _ in range(grad_accum)]
+        self._next_lane = 0
+        self._docs_seen = 0
+        self._tokens_seen = 0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this rank's slowest lane (lanes cross their epoch ends at different steps)."""
+        return min(reader.epoch for reader in self.readers)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(source.bytes_read for source in self.sources)
+
+    @property
+    def rows_read(self) -> int:
+        return sum(source.rows_read for source in self.sources)
+
+    def __iter__(self) -> LaneStream:
+        return self
+
+    def __next__(self) -> dict:
+        lane = self._next_lane
+        buffer = self._buffers[lane]
+        need = self.micro_batch * (self.seq_len + 1)
+        while len(buffer) < need:
+            if not self._read_documents(lane, need - len(buffer)):
+                raise StopIteration  # max_epochs reached: a partial micro-batch is never served
+        self._next_lane = (lane + 1) % len(self._buffers)
+        return rows_to_batch(buffer.take(need), self.micro_batch, self.seq_len)
+
+    def _read_documents(self, lane: int, deficit: int) -> bool:
+        count = self.tokenize_batch
+        if self._docs_seen:
+            count = min(count, math.ceil(deficit / max(1.0, self._tokens_seen / self._docs_seen)))
+        docs = []
+        try:
+            for _ in range(max(1, count)):
+                docs.append(self.readers[lane].next_document()[1])
+        except StopIteration:
+            if not docs:
+                return False
+        for tokens in self.encode(docs):
+            self._buffers[lane].add_document(tokens)
+            self._docs_seen += 1
+            self._tokens_seen += len(tokens)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "layout": dict(self.layout),
+            "readers": [reader.state_dict() for reader in self.readers],
+            "buffers": [buffer.state_dict() for buffer in self._buffers],
+            "next_lane": self._next_lane,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(state, self.layout)
+        for reader, saved in zip(self.readers, state["readers"], strict=True):
+            reader.load_state_dict(saved)
+        for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
+            buffer.load_state_dict(tokens)
+        self._next_lane = state["next_lane"]
+
+
+def _check_state(state: dict[str, Any], layout: dict[str, Any]) -> None:
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"data state version {state.get('version')!r}, expected {STATE_VERSION}")
+    saved = state["layout"]
+    changed = {
+        k: (saved.get(k), layout.get(k)) for k in set(saved) | set(layout) if saved.get(k) != layout.get(k)
+    }
+    if changed:
+        detail = ", ".join(f"{k}: saved {old!r} now {new!r}" for k, (old, new) in sorted(changed.items()))
+        raise ValueError(
+            f"data state was saved with a different layout ({detail}); resume with the same "
+            "world_size * grad_accum, rank, seed, data files and data settings, or start the data from scratch"
+        )
 
 
 class ValidationBatches:
@@ -150,12 +280,28 @@ class ValidationBatches:
 
 def build_train_stream(
     cfg, tokenizer, seq_len: int, micro_batch: int, rank: int, world_size: int, grad_accum: int, seed: int
-) -> PackedStream:
+) -> Prefetcher:
+    """Rank `rank`'s micro-batches: a PackedStream (data.sharding=documents) or a LaneStream (files),
+    behind a Prefetcher (data.prefetch batches made ahead on a thread; 0: none)."""
     cfg = DataConfig.from_any(cfg)
     _check_layout(seq_len, micro_batch, rank, world_size, grad_accum)
+    if cfg.sharding == "files":
+        stream = LaneStream(
+            cfg,
+            resolve_units_once(cfg, world_size),
+            _text_encoder(tokenizer),
+            eos_id=tokenizer.eos_token_id,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world_size,
+            grad_accum=grad_accum,
+            seed=seed,
+        )
+        return Prefetcher(stream, cfg.prefetch)
     source = open_source(cfg, "train", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
     head = cfg.val_docs if _held_out_head(cfg) else 0
-    return _stream(
+    stream = _stream(
         cfg,
         tokenizer,
         source,
@@ -170,6 +316,7 @@ def build_train_stream(
         limit_docs=None,
         max_epochs=cfg.max_epochs,
     )
+    return Prefetcher(stream, cfg.prefetch)
 
 
 def build_val_stream(

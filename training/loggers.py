@@ -88,7 +88,18 @@ class ConsoleSink:
         step = record["step"]
         self.bar.update(step - self.last_step)
         self.last_step = step
-        keys = ("loss", "ce", "l1", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss", "val_bpb")
+        keys = (
+            "loss",
+            "ce",
+            "l1",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "data_wait_s",
+            "mfu",
+            "val_loss",
+            "val_bpb",
+        )
         keys += tuple(k for k in record if k.startswith("eval/") and k.endswith(("/acc", "/acc_norm")))
         if "loss" in record:
             self.bar.set_postfix({k: _fmt(record[k]) for k in ("loss", "lr", "tokens_per_s")}, refresh=False)

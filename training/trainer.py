@@ -195,6 +195,7 @@ class Trainer:
     ):
         self.job, self.info, self.device = job, info, info.device
         self.train_stream, self.evaluators = train_stream, list(evaluators)
+        self._data_wait_s = 0.0  # reset per logging window (_reset_window)
         tcfg = job.train
         if tcfg.cuda_graph:  # before anything is built: the set-ups a capture cannot hold are refused
             check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
@@ -541,7 +542,9 @@ class Trainer:
         return "FSDP2" if self.sharded else "DDP"
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        waited = time.perf_counter()
         batch = next(self.train_stream)
+        self._data_wait_s += time.perf_counter() - waited
         input_ids, labels = batch["input_ids"], batch["labels"]
         if self.device.type == "cuda":
             # Pinned host memory makes the copy asynchronous: the CPU moves on to queue the step.
@@ -553,6 +556,7 @@ class Trainer:
         zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)
         self._ce_sum, self._l1_sum, self._grad_norm_sum = zero(), zero(), zero()
         self._window_steps = 0
+        self._data_wait_s = 0.0  # host seconds this rank waited for micro-batches in the window
         self._window_t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -560,9 +564,10 @@ class Trainer:
     def _log_window(self) -> dict:
         """Reduce the window's device sums over ranks and read them: the loop's only host sync."""
         steps, micro = self._window_steps, self._window_steps * self.grad_accum
-        sums = torch.stack([self._ce_sum / micro, self._l1_sum / micro, self._grad_norm_sum / steps])
+        wait = torch.tensor(self._data_wait_s, dtype=torch.float32, device=self.device)
+        sums = torch.stack([self._ce_sum / micro, self._l1_sum / micro, self._grad_norm_sum / steps, wait])
         sums = all_reduce_(sums) / self.info.world_size
-        ce, l1, grad_norm = sums.tolist()
+        ce, l1, grad_norm, data_wait_s = sums.tolist()
         activity = self.tracker.read()
         elapsed = time.perf_counter() - self._window_t0
         tokens_per_s = steps * self.job.train.global_batch_tokens / elapsed
@@ -576,6 +581,7 @@ class Trainer:
             "lr": self._lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
+            "data_wait_s": data_wait_s,  # mean over ranks of the window's seconds spent waiting for data
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.info.world_size),
             "peak_mem_gib": peak_memory_gib(self.device),
             **activity,

@@ -111,3 +111,77 @@ def token_corpus(tmp_path, tokenizer):
     return lambda docs, val_docs=(), shard_tokens=2000: write_token_corpus(
         docs, tokenizer, tmp_path / "tokens", shard_tokens, val_docs
     )
+
+
+class FlakyFiles:
+    """A local HTTP server on 127.0.0.1 standing in for the hub: serves a folder (with Range requests),
+    but answers the first `fail_first` requests with `status` (429, 503, ...) or a stall (a timeout)."""
+
+    def __init__(self, folder) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.folder = folder
+        self.fail_first, self.status, self.requests, self.failed, self.bytes_served = 0, 503, 0, 0, 0
+        lock, files = threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self.serve(body=False)
+
+            def do_GET(self):
+                self.serve(body=True)
+
+            def serve(self, body):
+                with lock:
+                    files.requests += 1
+                    fail = files.failed < files.fail_first
+                    files.failed += fail
+                if fail:
+                    self.send_response(files.status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                path = files.folder / self.path.lstrip("/")
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = path.read_bytes()
+                start, end, code = 0, len(data), 200
+                if "Range" in self.headers:
+                    first, _, last = self.headers["Range"].removeprefix("bytes=").partition("-")
+                    start, end, code = int(first), min(len(data), int(last) + 1 if last else len(data)), 206
+                self.send_response(code)
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(end - start))
+                if code == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data[start:end])
+                    with lock:
+                        files.bytes_served += end - start
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail(self, count: int, status: int = 503) -> None:
+        self.fail_first, self.status, self.failed = count, status, 0
+
+
+@pytest.fixture
+def flaky_files(tmp_path):
+    """flaky_files.url serves tmp_path / "served"; flaky_files.fail(n, status) fails the next n requests."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    files = FlakyFiles(folder)
+    yield files
+    files.server.shutdown()
+    files.server.server_close()

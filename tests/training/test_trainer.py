@@ -54,6 +54,28 @@ def test_loss_falls_on_the_sample(offline_data, tmp_path):
     assert len(logged[0]["active_mean"]) == 2 and len(logged[0]["dead_frac"]) == 2
 
 
+def test_prefetch_thread_gives_the_same_losses_and_logs_data_wait(offline_data, tmp_path):
+    """data.prefetch makes the batches on a background thread: the same losses; every logging window
+    reports data_wait_s, the seconds the loop waited for data."""
+    plain = run_job(tiny_overrides(offline_data, tmp_path / "plain", 4))
+    ahead = run_job(tiny_overrides(offline_data, tmp_path / "ahead", 4, "data.prefetch=3"))
+    assert losses(ahead) == losses(plain)
+    assert all(r["data_wait_s"] >= 0 for r in plain + ahead if "loss" in r)
+
+
+def test_row_group_lanes_with_prefetch_resume_bit_identically(offline_data, tmp_path):
+    """data.sharding=files behind the prefetch thread: a run resumed from a mid-run checkpoint (queued
+    batches and lane positions saved with it) continues with the unbroken run's losses."""
+    extra = ("data.sharding=files", "data.prefetch=2", "data.shuffle_buffer=16", "checkpoint.interval=3")
+    ref_dir = tmp_path / "unbroken"
+    reference = losses(run_job(tiny_overrides(offline_data, ref_dir, 6, *extra, "checkpoint.keep_last=0")))
+    step_3 = ref_dir / "checkpoints" / "step_00000003"
+    shutil.copytree(step_3, tmp_path / "resumed" / "checkpoints" / step_3.name)
+    resumed = losses(run_job(tiny_overrides(offline_data, tmp_path / "resumed", 6, *extra)))
+    assert list(resumed) == [4, 5, 6]
+    assert all(resumed[step] == reference[step] for step in resumed), (resumed, reference)
+
+
 def test_resume_gives_bit_identical_losses(reference_run, tmp_path):
     overrides, ref_dir, ref_records = reference_run
     assert sum(sum(r["reinit_units"]) for r in ref_records) > 0, "the test needs dead-unit re-inits"

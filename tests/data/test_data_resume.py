@@ -23,6 +23,22 @@ def assert_same_batches(got, want):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
 
 
+def assert_resumes_exactly(cfg, tokenizer, layout: dict, rank: int, seed: int, k: int) -> None:
+    """k batches, a state saved and serialised, k more batches (across an epoch boundary); a stream
+    restored from the state gives the same k batches and epoch."""
+    stream = build_train_stream(cfg, tokenizer, rank=rank, seed=seed, **layout)
+    for _ in range(k):
+        next(stream)
+    state = roundtrip(stream.state_dict())
+    want = [next(stream) for _ in range(k)]
+    assert stream.epoch >= 1, "the test should cross an epoch boundary"
+
+    restored = build_train_stream(cfg, tokenizer, rank=rank, seed=seed, **layout)
+    restored.load_state_dict(state)
+    assert_same_batches([next(restored) for _ in range(k)], want)
+    assert restored.epoch == stream.epoch
+
+
 @pytest.mark.parametrize("source", ["local", "tokens"])
 def test_restored_stream_gives_the_same_next_batches(
     source, tokenizer, make_docs, write_docs, token_corpus, rng
@@ -40,17 +56,7 @@ def test_restored_stream_gives_the_same_next_batches(
     batches_per_epoch = epoch_tokens / (layout["micro_batch"] * (layout["seq_len"] + 1)) / 2  # 2 of 4 lanes
     k = int(rng.uniform(1.2, 1.8) * batches_per_epoch) + 1
 
-    stream = build_train_stream(cfg, tokenizer, rank=rank, seed=seed, **layout)
-    for _ in range(k):
-        next(stream)
-    state = roundtrip(stream.state_dict())
-    want = [next(stream) for _ in range(k)]
-    assert stream.epoch >= 1, "the test should cross an epoch boundary"
-
-    restored = build_train_stream(cfg, tokenizer, rank=rank, seed=seed, **layout)
-    restored.load_state_dict(state)
-    assert_same_batches([next(restored) for _ in range(k)], want)
-    assert restored.epoch == stream.epoch
+    assert_resumes_exactly(cfg, tokenizer, layout, rank, seed, k)
 
 
 def test_resume_with_another_layout_is_refused(tokenizer, make_docs, write_docs):

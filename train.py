@@ -31,8 +31,7 @@ from pathlib import Path  # noqa: E402
 import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 try:
     import twell.training  # noqa: E402, F401
@@ -43,7 +42,7 @@ from twell.data import build_train_stream, build_val_stream, held_out_texts, loa
 from twell.eval import bytes_per_token, validation_loss  # noqa: E402
 from twell.model import Transformer  # noqa: E402
 from twell.training.checkpoint import CheckpointError, capture_rng, config_yaml, restore_rng  # noqa: E402
-from twell.training.config import JobConfig, check_known_keys, register_configs  # noqa: E402
+from twell.training.config import JobConfig, parse_job, register_configs  # noqa: E402
 from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
 from twell.training.loggers import wandb_mode  # noqa: E402
 from twell.training.trainer import Evaluator, NothingToTrain, Trainer  # noqa: E402
@@ -53,16 +52,8 @@ log = logging.getLogger("train")
 
 
 def parse_config(cfg: DictConfig) -> JobConfig:
-    """Resolved, validated dataclasses (runs every __post_init__); ValueError names the bad value,
-    also a key that no schema field takes (`+optim.lrr=1`)."""
-    check_known_keys(cfg)
-    try:
-        job = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise ValueError(f"invalid configuration: {err}") from err
-    if not isinstance(job, JobConfig):
-        raise ValueError("the root config must compose onto `job_schema` (see configs/train.yaml)")
-    return job
+    """Resolved, validated dataclasses; ValueError names the bad value (training.config.parse_job)."""
+    return parse_job(cfg)
 
 
 def seed_everything(seed: int, rank: int) -> None:

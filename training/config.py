@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from twell.data import DataConfig
 from twell.model import ModelConfig
@@ -279,3 +280,16 @@ def register_configs() -> None:
     """Make the schema known to Hydra; configs/train.yaml lists `job_schema` first in its defaults."""
     cs = ConfigStore.instance()
     cs.store(name="job_schema", node=JobConfig)
+
+
+def parse_job(cfg: DictConfig) -> JobConfig:
+    """The composed config as resolved, validated dataclasses (runs every __post_init__); ValueError names
+    the bad value, also a key that no schema field takes (`+optim.lrr=1`)."""
+    check_known_keys(cfg)
+    try:
+        job = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"invalid configuration: {err}") from err
+    if not isinstance(job, JobConfig):
+        raise ValueError("the root config must compose onto `job_schema` (see configs/train.yaml)")
+    return job

@@ -61,3 +61,44 @@ def test_auto_wrappers_on_the_cpu_are_off_and_explicit_values_win():
         ["experiment=paper_0.5b", "train.compile=true", "train.activation_checkpointing=true"]
     )
     assert resolve_block_wrappers(forced, cpu, 1, False) == (True, True)
+
+
+def test_plan_memory_script_prints_the_plan_and_the_auto_choice(tmp_path, capsys):
+    """scripts/plan_memory.py on the paper's 1.5B: an 80 GiB GPU needs activation checkpointing for the dense
+    start, a 141 GiB one does not; checkpointing and the sparse FFN both fit larger micro-batches; FSDP2 over 8
+    GPUs shards the 16 bytes a parameter."""
+    import json
+
+    import plan_memory  # scripts/, on sys.path through tests/conftest.py
+
+    def plan(*args):
+        out = tmp_path / "plan.json"
+        assert plan_memory.main(["experiment=paper_1.5b", *args, "--json", str(out)]) == 0
+        return json.loads(out.read_text()), capsys.readouterr().out
+
+    small, text = plan("--gpu-gib", "80")
+    assert small["auto_activation_checkpointing"] is True
+    assert "train.activation_checkpointing=auto: on" in text and "| dense | off |" in text
+    large, text = plan("--gpu-gib", "141")
+    assert large["auto_activation_checkpointing"] is False and "auto: off" in text
+    rows = {(r["ffn"], r["activation_checkpointing"]): r for r in large["rows"]}
+    assert rows[("dense", False)]["total_gib"] == pytest.approx(estimate().total / GIB)
+    mb = {key: r["largest_micro_batch"] for key, r in rows.items()}
+    assert mb[("dense", True)] > mb[("dense", False)] >= 8 and mb[("twell", False)] > mb[("dense", False)]
+    fitted = estimate_training_memory(PAPER_1P5B, mb[("dense", False)], 2048, activation_checkpointing=False,
+                                      sparse_ffn=False)  # fmt: skip
+    over = estimate_training_memory(PAPER_1P5B, mb[("dense", False)] + 1, 2048, activation_checkpointing=False,
+                                    sparse_ffn=False)  # fmt: skip
+    assert fitted.total <= 0.9 * 141 * GIB < over.total
+    sharded, _ = plan("--gpu-gib", "80", "--world-size", "8", "--parallel", "fsdp")
+    assert sharded["rows"][0]["params"] == pytest.approx(large["rows"][0]["params"] / 8, rel=1e-6)
+
+
+def test_plan_memory_refuses_bad_values(capsys):
+    import plan_memory
+
+    with pytest.raises(SystemExit):
+        plan_memory.main(["model=1.5b", "--world-size", "0"])
+    assert "--world-size=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="train.micro_batch"):
+        plan_memory.main(["model=1.5b", "train.micro_batch=0"])

@@ -1,7 +1,7 @@
 """Plot whole-model benchmark results (scripts/bench_model.py JSON files) side by side, one group per model.
 
     python scripts/plot_bench_model.py docs/results/round14/bench_model_{0.5b,1b,1.5b,2b}.json \\
-        --out docs/results/round14/bench_model.png
+        --out docs/results/model/bench_model_h200.png
 
 Three panels: inference tokens/ms, training tokens/ms and inference energy per token, each with a bar
 per variant (dense / TwELL, eager and compiled where measured) and TwELL's gain over the same kind of

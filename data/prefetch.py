@@ -12,6 +12,7 @@ a plain stream state (saved before this wrapper existed) loads too.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from typing import Any
@@ -76,22 +77,19 @@ class Prefetcher:
                 self._ready.append(batch)
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
     def _pause(self):
-        cond = self._cond
-
-        class Paused:
-            def __enter__(inner):
-                with cond:
-                    self._paused += 1
-                    while self._busy:
-                        cond.wait()
-
-            def __exit__(inner, *exc):
-                with cond:
-                    self._paused -= 1
-                    cond.notify_all()
-
-        return Paused()
+        """Hold the worker between batches (it finishes the one it is making) while the state is read or set."""
+        with self._cond:
+            self._paused += 1
+            while self._busy:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         with self._pause():

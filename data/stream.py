@@ -93,14 +93,12 @@ class PackedStream:
 
     def _read_documents(self, deficit: int) -> None:
         """Read, tokenize and route a batch of this rank's documents, sized to cover about `deficit` tokens."""
-        lanes_here = len(self._buffers)
-        count = self.tokenize_batch
-        if self._docs_seen:
-            per_doc = max(1.0, self._tokens_seen / self._docs_seen)
-            count = min(self.tokenize_batch, lanes_here * math.ceil(deficit / per_doc))
+        count = _docs_to_read(
+            self.tokenize_batch, self._docs_seen, self._tokens_seen, deficit, len(self._buffers)
+        )
         numbers, docs = [], []
         try:
-            for _ in range(max(1, count)):
+            for _ in range(count):
                 number, doc = self.reader.next_document()
                 numbers.append(number)
                 docs.append(doc)
@@ -213,12 +211,10 @@ class LaneStream:
         return rows_to_batch(buffer.take(need), self.micro_batch, self.seq_len)
 
     def _read_documents(self, lane: int, deficit: int) -> bool:
-        count = self.tokenize_batch
-        if self._docs_seen:
-            count = min(count, math.ceil(deficit / max(1.0, self._tokens_seen / self._docs_seen)))
+        count = _docs_to_read(self.tokenize_batch, self._docs_seen, self._tokens_seen, deficit, 1)
         docs = []
         try:
-            for _ in range(max(1, count)):
+            for _ in range(count):
                 docs.append(self.readers[lane].next_document()[1])
         except StopIteration:
             if not docs:
@@ -245,6 +241,15 @@ class LaneStream:
         for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
             buffer.load_state_dict(tokens)
         self._next_lane = state["next_lane"]
+
+
+def _docs_to_read(tokenize_batch: int, docs_seen: int, tokens_seen: int, deficit: int, lanes: int) -> int:
+    """Documents to read and tokenize at once: enough to cover `deficit` tokens in each of `lanes` lanes at
+    the mean document length seen so far, at most tokenize_batch (all of it before any is seen), at least 1."""
+    if not docs_seen:
+        return max(1, tokenize_batch)
+    per_doc = max(1.0, tokens_seen / docs_seen)
+    return max(1, min(tokenize_batch, lanes * math.ceil(deficit / per_doc)))
 
 
 def _check_state(state: dict[str, Any], layout: dict[str, Any]) -> None:

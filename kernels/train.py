@@ -482,8 +482,10 @@ def warm_up(
 ) -> float:
     """Run twell_ffn forward and backward on paper-like inputs of this shape (kernels/synthetic.py: ~29
     active units a token, 30% dead units, a long tail) so that every kernel the training op uses is
-    compiled and autotuned before a model needs it: autotuning is keyed by shape, not by activity, and
-    tuned on a random model's half-active gate it would pick configurations for the wrong regime.
+    compiled and autotuned before a model needs it: tuned on a random model's half-active gate, the
+    kernels keyed by shape alone would keep configurations for the wrong regime. (The column passes are
+    also keyed by mean segment length, which changes with activity: those buckets are tuned here only
+    for this activity level.)
     Returns the seconds it took (synchronised)."""
     from .synthetic import paper_like_ffn_inputs
 
@@ -495,10 +497,13 @@ def warm_up(
     K = hot_units_for(tokens, d_ff, hot_units)
     # The exact path that a torch.compile'd graph runs (the custom op, no entry-count history), then the
     # eager op twice (its first call records the entry count, the second takes the sized path).
-    calls = [lambda: torch.ops.twell.ffn_train_fwd(x, *weights, K, 0)[:2]]
-    calls += 2 * [lambda: tuple(twell_ffn(x, *weights, hot_units=hot_units)[:2])]
-    for call in calls:
-        y, l1 = call()
+    for exact in (True, False, False):
+        out = (
+            torch.ops.twell.ffn_train_fwd(x, *weights, K, 0)
+            if exact
+            else twell_ffn(x, *weights, hot_units=hot_units)
+        )
+        y, l1 = out[:2]
         torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -80,7 +80,7 @@ def compare(runs: dict[str, list[dict]], settle: int) -> dict:
     }
 
 
-def table(result: dict, commit: str, machine: str) -> str:
+def table(result: dict) -> str:
     rows = [
         "| run | steady tokens/s | slowest window after step 20 | final CE | mean active units | max grad norm | seconds |",
         "|---|---|---|---|---|---|---|",
@@ -96,7 +96,7 @@ def table(result: dict, commit: str, machine: str) -> str:
     rows.append("")
     rows.append(
         f"sparse / dense steady speed: **{result['speedup']:.3f}x**; worst CE gap after the settle: "
-        f"{'n/a' if gap is None else f'{gap:+.2%}'}; commit {commit}, {machine}"
+        f"{'n/a' if gap is None else f'{gap:+.2%}'}; commit {result['commit']}, {result['machine']}"
     )
     return "\n".join(rows) + "\n"
 
@@ -139,14 +139,13 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 
 def machine_name() -> str:
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return f"1 x {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return f"CPU ({os.cpu_count()} cores)"
+    return (
+        f"1 x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else f"CPU ({os.cpu_count()} cores)"
+    )
 
 
 def commit_of(root: Path) -> str:
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(runs, args.settle)
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
     (out / "race.json").write_text(json.dumps({**result, "records": runs}, indent=1))
-    text = table(result, result["commit"], result["machine"])
+    text = table(result)
     (out / "race.md").write_text(text)
     plot(runs, out / "race.png")
     print(text)

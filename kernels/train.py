@@ -59,6 +59,10 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # a CUDA graph can hold the op: it is what a call under graph capture does whatever the setting. A
 # static call whose entries do not fit cannot be redone: it adds 1 to
 # static_misses(device), which a graph's owner checks after replays (non-zero: recompute eagerly).
+# "deferred" is "static" for a training loop (eager or torch.compile'd): calls take the fixed size and
+# never read back, each call's true count stays on the device, and the loop settles them all once per
+# step (DeferredSizes.settle: one host sync) before it applies the gradients, redoing the step on a miss.
+# Only deferred_sizes() selects it, so a call outside such a block can never return unchecked results.
 SIZES = ("estimate", "exact", "static")
 # Headroom of a sized capacity over the entry count it is sized from (_with_margin). A CUDA graph's
 # owner captures with a wider one after capacity misses (capacity_headroom, training/cuda_graph.py).
@@ -123,6 +127,75 @@ def record_static_sizes():
         yield _static_sizes
     finally:
         _static_sizes = outer
+
+
+# The calls of the open deferred_sizes() block (None outside one): (key, (M, K), capacity, entries).
+_deferred: list | None = None
+
+
+class DeferredSizes:
+    """The training op's calls inside a deferred_sizes() block, to be checked with settle()."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def settle(self, reduce=None, device: torch.device | str | None = None) -> bool:
+        """Read the true entry counts of the calls made since the last settle (one host sync), size
+        each layer's next calls from its largest count plus the margin, and return whether any call's
+        entries did not fit its capacity: then its results, and everything computed from them
+        (gradients included), are wrong, and the work must be redone (the new capacities fit the same
+        inputs). `reduce`, for data-parallel loops: applied in place to an int32 [1] flag on `device`
+        (all_reduce with MAX) so that every rank redoes together; every rank must call settle then."""
+        calls = list(self.calls)
+        self.calls.clear()
+        counts = torch.cat([n for *_, n in calls]).tolist() if calls else []
+        missed = False
+        largest: dict = {}
+        for (key, shape, capacity, _), n in zip(calls, counts):
+            missed |= n > capacity
+            largest[id(key), shape] = (key, max(n, largest.get((id(key), shape), (None, 0))[1]))
+        for (_, shape), (key, n) in largest.items():
+            _capacities.setdefault(key, {})[shape] = _with_margin(n)
+        if reduce is not None:
+            if device is None:
+                if not calls:
+                    raise ValueError("settle(reduce=...) without calls needs the device of the flag")
+                device = calls[0][3].device
+            flag = torch.tensor([int(missed)], dtype=torch.int32, device=device)
+            reduce(flag)
+            missed = bool(flag.item())
+        return bool(missed)
+
+
+@contextlib.contextmanager
+def deferred_sizes():
+    """Inside the block, the training op takes deferred sizes (see SIZES: a fixed capacity from the
+    layer's history, nothing read back, so neither an eager nor a torch.compile'd step waits for the GPU
+    in any layer). Yields a DeferredSizes whose settle() the caller runs once the work is issued (a
+    training loop: after the step's backward passes, before the optimizer step) and redoes the work
+    when it returns True. Calls left unsettled when the block ends are settled then; if one of them
+    missed, RuntimeError (the results computed inside are wrong and nobody checked them)."""
+    global _deferred
+    sizes = DeferredSizes()
+    outer, outer_mode = _deferred, _settings["sizes"]
+    _deferred, _settings["sizes"] = sizes.calls, "deferred"
+    try:
+        yield sizes
+    finally:
+        _deferred, _settings["sizes"] = outer, outer_mode
+    if sizes.calls and sizes.settle():
+        raise RuntimeError(
+            "twell_ffn: a call inside deferred_sizes() had more entries than its capacity and the block "
+            "ended without settle(): the results computed inside are wrong. Call settle() after the work "
+            "and redo it when settle() returns True"
+        )
+
+
+def forget_sizes(layers) -> None:
+    """Drop the entry-count history of these layers (their w_gate tensors): their next calls are sized
+    exactly. For a pass whose activity says nothing about the next ones (a warm-up on random inputs)."""
+    for key in layers:
+        _capacities.pop(key, None)
 
 
 def oversized(capacity: int, entries: int) -> bool:
@@ -220,35 +293,54 @@ def hot_units_for(M: int, F: int, hot_units: int | None = None) -> int:
     return min(k, F)
 
 
-def _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity):
-    """The forward at a capacity: < 0 static, > 0 an estimate (redone exactly on a miss), 0 exact.
-    Returns y, l1, row_active, unit_fires, overflow count, then the 10 tensors saved for backward."""
-    if capacity < 0:  # static: fixed size, never read back (CUDA graphs); misses counted on the device
-        return _forward(x, w_gate, w_up, w_down, hot_units, -capacity, static=True)
-    if capacity > 0:  # no sync: sized from the caller's estimate; None when it did not fit
-        out = _forward(x, w_gate, w_up, w_down, hot_units, capacity)
-        if out is not None:
-            return out
-    return _forward(x, w_gate, w_up, w_down, hot_units, None)
+def _forward_sized(x, w_gate, w_up, w_down, key, K):
+    """The forward at the size its layer's history and the sizes mode give (see SIZES), decided when the
+    op runs, not when it is traced: a torch.compile'd graph takes the same sized paths as an eager call,
+    and no history enters a trace. `key`: the layer's w_gate as its caller holds it (before an autocast
+    cast), the key of its entry-count history. Returns y, l1, row_active, unit_fires, overflow count,
+    then the 10 tensors saved for backward."""
+    M = x.shape[0]
+    capturing = _capturing(x)
+    if not capturing and x.device not in _misses:  # made outside any capture, for a later one
+        static_misses(x.device)
+    mode = "static" if capturing else _settings["sizes"]
+    history = _capacities.get(key)
+    capacity = history.get((M, K), 0) if history and mode != "exact" else 0
+    if mode == "static" and not capacity and capturing:
+        raise RuntimeError(
+            f"twell_ffn under CUDA graph capture needs the layer's entry count for {M} tokens"
+            f"{f' and {K} hot units' if K else ''}: run the same step once eagerly before capturing"
+            " (its count, plus a margin, becomes the graph's fixed capacity)"
+        )
+    if capacity and mode in ("static", "deferred"):  # fixed size, never read back
+        deferred = _deferred if mode == "deferred" else None
+        return _forward(x, w_gate, w_up, w_down, K, capacity, static=True, deferred=deferred, key=key)
+    out = _forward(x, w_gate, w_up, w_down, K, capacity) if capacity else None  # None: it did not fit
+    if out is None:
+        out = _forward(x, w_gate, w_up, w_down, K, None)
+    # The next call's capacity: this call's count plus a margin (static calls keep theirs).
+    _capacities.setdefault(key, {})[(M, K)] = _with_margin(out[6].numel())
+    return out
 
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
 def _ffn_train_fwd(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, hot_units: int, capacity: int
+    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, key: Tensor, hot_units: int
 ) -> tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
     Tensor, Tensor,
 ]:  # fmt: skip
-    return _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity)
+    return _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
 
 
-def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
+def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, key=None):
     """The whole forward. With a capacity the host issues it all without waiting and reads the true
     entry count at the end (long computed by then): None if the entries did not fit (the caller redoes
     it exactly, gate included: the dense h is not kept that long). `static`: the capacity is used as
     is and never checked on the host (no sync at all, so a CUDA graph can hold the op); the saved entry
     list keeps its unused slots (zero gates: no contribution) and a call whose entries did not fit
-    adds 1 to static_misses()."""
+    adds 1 to static_misses(). `deferred` (a list, with `static`): the call's (key, (M, K), capacity,
+    true entry count on the device) is appended to it instead, for DeferredSizes.settle."""
     # The dense gate GEMM writes relu(x w_gate^T) and its positive bitmask; every unit's positives over
     # the batch are counted from the bitmask (unit_fires, and the hot units' choice).
     h, bits = relu_gate_bits(x, w_gate)
@@ -292,7 +384,9 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
         l1_rows.add_(l1_hot)
     rows, cols, gate = pat.rows, pat.cols, pat.gate
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
-    if static:
+    if deferred is not None:
+        deferred.append((key, (x.shape[0], K), capacity, pat.totals[1:]))
+    elif static:
         static_misses(x.device).add_(pat.totals[1] > capacity)
         if _static_sizes is not None:
             _static_sizes.append((capacity, pat.totals[1:]))
@@ -308,7 +402,7 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False):
 
 
 @_ffn_train_fwd.register_fake
-def _(x, w_gate, w_up, w_down, hot_units, capacity):
+def _(x, w_gate, w_up, w_down, key, hot_units):
     (M, D), F = x.shape, w_gate.shape[0]
     nnz = torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -406,7 +500,7 @@ def _backward_args(ctx, grad_y, grad_l1) -> tuple:
 
 
 def _backward(ctx, grad_y, grad_l1, *_unused):
-    return (*torch.ops.twell.ffn_train_bwd(*_backward_args(ctx, grad_y, grad_l1)), None, None)
+    return (*torch.ops.twell.ffn_train_bwd(*_backward_args(ctx, grad_y, grad_l1)), None, None)  # key, K
 
 
 _ffn_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -420,8 +514,8 @@ class _EagerFFN(torch.autograd.Function):
     nodes of NOTES_TRAIN.md round 11). torch.compile traces the custom ops."""
 
     @staticmethod
-    def forward(x, w_gate, w_up, w_down, hot_units, capacity):
-        return _forward_sized(x, w_gate, w_up, w_down, hot_units, capacity)
+    def forward(x, w_gate, w_up, w_down, key, hot_units):
+        return _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -450,30 +544,11 @@ def twell_ffn(
         x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
-    M, K = x.shape[0], hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
-    # Sized from this layer's last call (no host sync, see SIZES); a torch.compile'd graph
-    # takes the exact path (its trace must not depend on history).
-    track = not torch.compiler.is_compiling()
-    capacity = 0
-    if track:
-        capturing = _capturing(x)
-        if not capturing and x.device not in _misses:  # made outside any capture, for a later one
-            static_misses(x.device)
-        mode = "static" if capturing else _settings["sizes"]
-        history = _capacities.get(layer)
-        capacity = history.get((M, K), 0) if history and mode != "exact" else 0
-        if mode == "static":
-            if not capacity and capturing:
-                raise RuntimeError(
-                    f"twell_ffn under CUDA graph capture needs the layer's entry count for {M} tokens"
-                    f"{f' and {K} hot units' if K else ''}: run the same step once eagerly before capturing"
-                    " (its count, plus a margin, becomes the graph's fixed capacity)"
-                )
-            capacity = -capacity  # < 0: static; 0 (no history yet): an exact call that records one
-    call = _EagerFFN.apply if track else torch.ops.twell.ffn_train_fwd
-    y, l1, row_active, unit_fires, n_overflow, *saved = call(x, w_gate, w_up, w_down, K, capacity)
-    if track and capacity >= 0:  # next call: this one's count plus a margin (static calls keep theirs)
-        _capacities.setdefault(layer, {})[(M, K)] = _with_margin(saved[1].numel())
+    K = hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
+    # Eager calls take the autograd.Function (cheaper to dispatch), torch.compile traces the custom op;
+    # both size the entry list when they run (_forward_sized), from the layer's history.
+    call = torch.ops.twell.ffn_train_fwd if torch.compiler.is_compiling() else _EagerFFN.apply
+    y, l1, row_active, unit_fires, n_overflow, *_saved = call(x, w_gate, w_up, w_down, layer, K)
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)
 
 
@@ -497,14 +572,19 @@ def warm_up(
     K = hot_units_for(tokens, d_ff, hot_units)
     # The exact path that a torch.compile'd graph runs (the custom op, no entry-count history), then the
     # eager op twice (its first call records the entry count, the second takes the sized path).
-    for exact in (True, False, False):
-        out = (
-            torch.ops.twell.ffn_train_fwd(x, *weights, K, 0)
-            if exact
-            else twell_ffn(x, *weights, hot_units=hot_units)
-        )
-        y, l1 = out[:2]
-        torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
+    # The custom op that a torch.compile'd graph runs (a layer's first call is exact: no history yet),
+    # then the deferred size a training loop takes from the second call on.
+    for deferred in (False, True):
+        with deferred_sizes() if deferred else contextlib.nullcontext() as sizes:
+            out = (
+                twell_ffn(x, *weights, hot_units=hot_units)
+                if deferred
+                else torch.ops.twell.ffn_train_fwd(x, *weights, weights[0], K)
+            )
+            y, l1 = out[:2]
+            torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
+            if deferred:
+                sizes.settle()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

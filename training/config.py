@@ -94,6 +94,10 @@ class TrainConfig:
     # model.ffn_impl=auto on a GPU: compile and autotune the sparse FFN path before step 1, so the switch
     # of layers to it costs nothing mid-run (Trainer._warm_sparse_path)
     warm_up: bool = True
+    # How the TwELL training op sizes each layer's entry list (kernels/train.py, SIZES): deferred (no
+    # layer waits for the GPU; the step's counts are checked once before the optimizer step and the step
+    # is redone on a miss) | estimate (each sparse layer reads its count back: one host sync a layer)
+    twell_sizes: str = "deferred"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name
@@ -106,6 +110,7 @@ class TrainConfig:
         _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("train.parallel", self.parallel, PARALLEL_MODES)
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("train.twell_sizes", self.twell_sizes, ("deferred", "estimate"))
         self.compile = _auto_bool("train.compile", self.compile)
         self.activation_checkpointing = _auto_bool(
             "train.activation_checkpointing", self.activation_checkpointing

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -254,6 +256,16 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.graphed = None
+        # TwELL entry lists sized deferred (see _micro_steps) wherever the sparse path may run outside a
+        # CUDA graph; twell_redos: steps redone because a layer's entries outgrew their capacity.
+        self._kt = None
+        if tcfg.twell_sizes == "deferred" and mcfg.ffn_impl != "dense" and not tcfg.cuda_graph:
+            # where the kernels run: CUDA, or the CPU under Triton's interpreter (the tests)
+            if self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                import twell.kernels.train as kt
+
+                self._kt = kt
+        self.twell_redos = 0
         self.warm_up_seconds: float | None = None  # the sparse path's warm-up before training (auto FFN, GPU)
         if tcfg.cuda_graph:
             from twell.training.cuda_graph import GraphedMicroStep
@@ -410,7 +422,7 @@ class Trainer:
             return
         if all(routing):  # resumed with every layer sparse already: no switch ahead
             return
-        from twell.kernels.train import warm_up
+        from twell.kernels.train import forget_sizes, warm_up
 
         tokens = tcfg.micro_batch * tcfg.seq_len
         kernel_s = warm_up(tokens, mcfg.d_model, mcfg.d_ff, self.device, hot_units=mcfg.twell_hot_units)
@@ -435,6 +447,8 @@ class Trainer:
             for ffn, flag in zip(self.ffns, routing):
                 ffn.set_sparse(flag)
             self.optimizer.zero_grad(set_to_none=True)
+        # A random model's half-active gate would size the layers' first sparse steps: forget it.
+        forget_sizes([ffn.w_gate for ffn in self.ffns])
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # a random model's half-active gate made the sparse state large
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -473,16 +487,10 @@ class Trainer:
         else:
             # One at a time, as they are needed: the host's data work overlaps the GPU's.
             batches = (self._next_batch() for _ in range(self.grad_accum))
-        if replayed is not None:
-            for ce, l1, stats in replayed:
-                self._add_micro(ce, l1, stats)
-        else:
-            with self._on_graph_stream():
-                for micro, (input_ids, labels) in enumerate(batches):
-                    with self._grad_sync(micro == self.grad_accum - 1):
-                        loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
-                        (loss / self.grad_accum).backward()
-                    self._add_micro(ce.detach(), out.l1.detach(), out.stats)
+        if replayed is None:
+            replayed = self._micro_steps(batches, l1_coef)
+        for ce, l1, stats in replayed:
+            self._add_micro(ce, l1, stats)
         # max_norm=inf measures without clipping when clipping is off.
         clip = self.job.train.grad_clip or float("inf")
         grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
@@ -509,6 +517,35 @@ class Trainer:
         self._grad_norm_sum += grad_norm.detach()
         self._window_steps += 1
         self._lr, self._l1_coef = lr, l1_coef
+
+    def _micro_steps(self, batches, l1_coef) -> list:
+        """Forward and backward of the step's micro-batches (gradients accumulate in .grad); returns
+        (ce, l1, stats) of each. With sparse FFNs and train.twell_sizes=deferred, no TwELL layer waits
+        for the GPU: their entry counts are checked once, after the last backward (one host sync, reduced
+        over ranks), and a step in which a layer's entries outgrew its capacity is redone with exact
+        sizes before anything is applied (`twell_redos` counts them)."""
+        if self._kt is None:
+            return self._run_micro_batches(batches, l1_coef)
+        kept = []  # the micro-batches as they are drawn: a redo needs them again
+        with self._kt.deferred_sizes() as sizes:
+            results = self._run_micro_batches((kept.append(b) or b for b in batches), l1_coef)
+            reduce = (lambda flag: all_reduce_(flag, op=dist.ReduceOp.MAX)) if self.info.enabled else None
+            missed = sizes.settle(reduce=reduce, device=self.device)
+        if not missed:
+            return results
+        self.twell_redos += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._run_micro_batches(kept, l1_coef)  # capacities now fit these very batches
+
+    def _run_micro_batches(self, batches, l1_coef) -> list:
+        results = []
+        with self._on_graph_stream():
+            for micro, (input_ids, labels) in enumerate(batches):
+                with self._grad_sync(micro == self.grad_accum - 1):
+                    loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
+                    (loss / self.grad_accum).backward()
+                results.append((ce.detach(), out.l1.detach(), out.stats))
+        return results
 
     @contextlib.contextmanager
     def _on_graph_stream(self):
@@ -586,6 +623,8 @@ class Trainer:
             "peak_mem_gib": peak_memory_gib(self.device),
             **activity,
         }
+        if self._kt is not None:  # steps redone because a layer's entries outgrew their capacity, so far
+            record["twell_redos"] = self.twell_redos
         if self.job.model.ffn_impl == "auto":  # the routing per layer, as the next steps will run it
             record["ffn_sparse"] = [int(ffn._sparse_now) for ffn in self.ffns]
         self.logger.log(record)

@@ -238,12 +238,31 @@ def test_compiles_without_graph_breaks():
 
 
 def test_custom_ops_pass_opcheck():
+    import twell.kernels.train as kt
+
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
+    key = inputs[1]  # the layer's w_gate keys its entry-count history
     test_utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    # (hot units, capacity): capacity 0: exact sizes; 8: far too few entry slots (the op redoes the call
-    # exactly); 4096: fits; a negative capacity is static (fixed, never read back)
-    for args in ((0, 0), (16, 0), (0, 8), (16, 4096), (0, -4096)):
-        torch.library.opcheck(torch.ops.twell.ffn_train_fwd.default, (*inputs, *args), test_utils=test_utils)
+    # (hot units, capacity in the layer's history, sizes): no history: exact sizes; 8: far too few entry
+    # slots (the op redoes the call exactly); 4096: fits; static: the capacity as a fixed size
+    cases = (
+        (0, 0, "estimate"),
+        (16, 0, "estimate"),
+        (0, 8, "estimate"),
+        (16, 4096, "estimate"),
+        (0, 4096, "static"),
+    )
+    try:
+        for hot, capacity, sizes in cases:
+            kt.forget_sizes([key])
+            if capacity:
+                kt._capacities[key] = {(10, hot): capacity}
+            kt.set_sizes(sizes)
+            torch.library.opcheck(
+                torch.ops.twell.ffn_train_fwd.default, (*inputs, key, hot), test_utils=test_utils
+            )
+    finally:
+        kt.set_sizes("estimate")
 
 
 @pytest.mark.parametrize("mode", [ONE, SPLIT2, SPLIT3])
@@ -646,6 +665,123 @@ def test_static_calls_record_their_capacity_and_true_entry_count(hot):
         assert entries == nnz  # no hot units: every positive is an entry
     assert not kt.oversized(capacity, entries)
     assert kt.oversized(2 * capacity + 1, entries) and not kt.oversized(2 * capacity, entries)
+
+
+def _deferred_step(weights, x_in, grad_y, hot=0, fn=twell_ffn):
+    leaf = x_in.clone().requires_grad_()
+    for w in weights:
+        w.grad = None
+    out = fn(leaf, *weights, hot_units=hot)
+    ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
+    return out, [leaf.grad] + [w.grad.clone() for w in weights]
+
+
+@pytest.mark.parametrize("hot", [0, 16])
+def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, monkeypatch):
+    """deferred_sizes(): after a layer's first (exact) call, every call takes the fixed capacity from
+    its history and reads nothing back; settle() reads all counts at once, sizes the next calls from
+    the largest, and says whether any call missed. A fit is exact; a miss is reported, and the same
+    batch then fits (redone inside or outside the block, the results are exact)."""
+    import twell.kernels.train as kt
+    from twell.kernels.train_format import PendingTotals
+
+    M, D, F = 41, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
+    grad_y = torch.randn(M, D, device=DEVICE)
+    ref, ref_grads = _run(relu_ffn, [x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+    reads = []
+    real_read = PendingTotals.read
+    monkeypatch.setattr(PendingTotals, "read", lambda self: reads.append(1) or real_read(self))
+
+    def check(out, grads, want=ref, want_grads=ref_grads):
+        for a, b in zip([out.y, out.l1, *grads], [want.y, want.l1, *want_grads]):
+            assert _rel_err(a, b) <= 1e-5
+
+    with kt.deferred_sizes() as sizes:
+        check(*_deferred_step(weights, x, grad_y, hot))  # no history: exact (records one)
+        capacity = kt._capacities[weights[0]][(M, hot)]
+        out, grads = _deferred_step(weights, x, grad_y, hot)
+        out2, _ = _deferred_step(weights, x, grad_y, hot)
+        assert not reads and len(sizes.calls) == 2  # the exact call is not deferred
+        entries = int(sizes.calls[0][3])
+        assert not sizes.settle() and not sizes.calls
+        check(out, grads)
+        assert torch.equal(out2.y, out.y)
+        assert kt._capacities[weights[0]][(M, hot)] == kt._with_margin(entries) == capacity
+
+        dense_x = x.clone()
+        make_rows_dense(dense_x, list(range(0, M, 2)))  # far more entries than the capacity holds
+        _deferred_step(weights, dense_x, grad_y, hot)
+        assert sizes.settle()  # missed: those results are wrong, and the capacity now fits the batch
+        assert kt._capacities[weights[0]][(M, hot)] > capacity
+        out, grads = _deferred_step(weights, dense_x, grad_y, hot)
+        assert not sizes.settle()
+    dense_ref, dense_grads = _run(relu_ffn, [dense_x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+    check(out, grads, dense_ref, dense_grads)
+    assert not reads
+    assert kt._settings["sizes"] == "estimate" and kt._deferred is None  # restored
+
+
+def test_deferred_miss_left_unsettled_raises_and_settle_reduces_a_flag():
+    import twell.kernels.train as kt
+
+    M, D, F = 33, 64, 128
+    x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
+    grad_y = torch.randn(M, D, device=DEVICE)
+    weights = [t.requires_grad_() for t in weights]
+    _deferred_step(weights, x, grad_y)  # history
+    kt._capacities[weights[0]][(M, 0)] = 8  # far too small
+    with pytest.raises(RuntimeError, match="ended without settle"), kt.deferred_sizes():
+        _deferred_step(weights, x, grad_y)
+    flags = []
+    with kt.deferred_sizes() as sizes:
+        _deferred_step(weights, x, grad_y)  # fits now: the block's exit settled the miss above
+        # this call fitted (flag 0), but the reduced flag decides (another rank missed): every rank redoes
+        assert sizes.settle(reduce=lambda flag: flags.append(int(flag)) or flag.fill_(1))
+        assert not sizes.settle()  # nothing left to settle
+    assert flags == [0]
+    with kt.deferred_sizes() as sizes:
+        assert sizes.settle(reduce=lambda flag: flag.fill_(1), device=DEVICE)  # no calls: the flag alone
+        with pytest.raises(ValueError, match="needs the device"):
+            sizes.settle(reduce=lambda flag: flag)
+
+
+def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompiling():
+    """A torch.compile'd step (fullgraph) sizes its entry lists when it runs: the layer's history
+    reaches the op (its w_gate is the key), calls inside deferred_sizes() are fixed-size and exact, and
+    sparsity changing between steps recompiles nothing."""
+    import torch._dynamo.testing
+
+    import twell.kernels.train as kt
+
+    M, D, F = 24, 64, 128
+    x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
+    weights = [t.requires_grad_() for t in weights]
+    grad_y = torch.randn(M, D, device=DEVICE)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(twell_ffn, backend=counter, fullgraph=True, dynamic=False)
+    seen = []  # (capacity, static) of each forward pass
+    real = kt._forward
+    kt._forward = lambda *a, **k: seen.append((a[5], k.get("static", False))) or real(*a, **k)
+    denser = _inputs(M, D, F, torch.float32, mean_active=24.0)[0]
+    try:
+        with kt.deferred_sizes() as sizes:
+            outcomes = []
+            for x_in in (x, x, denser, denser):
+                out, grads = _deferred_step(weights, x_in, grad_y, fn=compiled)
+                outcomes.append((sizes.settle(), kt._capacities[weights[0]][(M, 0)]))
+                ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+                if not outcomes[-1][0]:
+                    for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+                        assert _rel_err(a, b) <= 1e-5
+    finally:
+        kt._forward = real
+    first_capacity = outcomes[0][1]
+    assert seen[0] == (None, False)  # the first call: exact, which records the history
+    assert seen[1:] == [(first_capacity, True), (first_capacity, True), (outcomes[2][1], True)]
+    assert [missed for missed, _ in outcomes] == [False, False, True, False]  # the denser batch: once
+    assert counter.frame_count == 1  # one graph for every step
 
 
 @pytest.mark.gpu

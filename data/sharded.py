@@ -43,12 +43,16 @@ def _open_parquet(file: str):
         raise
 
 
+class NotParquetError(ValueError):
+    """The source is not a set of parquet files (so it has no row groups to split)."""
+
+
 def source_files(cfg: DataConfig) -> list[str]:
     """The training split's parquet files, in the order the documents layout reads them."""
     if cfg.source == "local":
         files = expand_files(cfg.path, "data.path")
         if cfg.local_format(files) != "parquet":
-            raise ValueError(
+            raise NotParquetError(
                 f"data.sharding=files reads parquet row groups, but {files[0]} is {cfg.local_format(files)}; "
                 "convert the files to parquet or set data.sharding=documents"
             )
@@ -64,7 +68,7 @@ def source_files(cfg: DataConfig) -> list[str]:
         ) from err
     data_files = builder.config.data_files or {}
     if builder.name != "parquet" or cfg.split not in data_files:
-        raise ValueError(
+        raise NotParquetError(
             f"hub dataset {cfg.hf_name} ({cfg.hf_subset or 'default'}) is not a set of parquet files with a "
             f"{cfg.split!r} split (builder {builder.name!r}, splits {sorted(data_files)}); "
             "set data.sharding=documents"
@@ -282,7 +286,9 @@ class ShardUnitSource:
         self.lane = lane
         self.seed = seed
         self.shuffle = shuffle
-        self.description = f"lane {lane}'s {len(units)} token shard(s) ({self.folder / units[0]['file']}, ...)"
+        self.description = (
+            f"lane {lane}'s {len(units)} token shard(s) ({self.folder / units[0]['file']}, ...)"
+        )
         self.bytes_read = 0
         self.rows_read = 0
         self._order: list[int] = []
@@ -305,7 +311,9 @@ class ShardUnitSource:
                 )
                 self.bytes_read += unit["bytes"]
                 self.rows_read += unit["rows"]
-            if unit["start"] + self._row < len(self._docs):  # rows count from the unit's start, as for parquet
+            if unit["start"] + self._row < len(
+                self._docs
+            ):  # rows count from the unit's start, as for parquet
                 doc = self._docs[unit["start"] + self._row]
                 self._row += 1
                 return doc

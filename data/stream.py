@@ -297,7 +297,7 @@ def build_train_stream(
         stream = LaneStream(
             cfg,
             resolve_units_once(cfg, world_size),
-            _token_passthrough if cfg.source == "tokens" else _text_encoder(tokenizer),
+            _token_passthrough if cfg.source == "tokens" else text_encoder(tokenizer),
             eos_id=tokenizer.eos_token_id,
             seq_len=seq_len,
             micro_batch=micro_batch,
@@ -444,7 +444,7 @@ def _stream(
         max_epochs=max_epochs,
         epoch_log_level=epoch_log_level,
     )
-    encode = _token_passthrough if source.tokenized else _text_encoder(tokenizer)
+    encode = _token_passthrough if source.tokenized else text_encoder(tokenizer)
     return PackedStream(
         reader,
         encode,
@@ -459,7 +459,10 @@ def _stream(
     )
 
 
-def _text_encoder(tokenizer):
+def text_encoder(tokenizer):
+    """list of texts -> list of int64 token arrays, as the training stream tokenizes (no special tokens).
+
+    Also what scripts/pretokenize.py writes, so text and token corpora hold the same tokens."""
     # A private copy of the Rust tokenizer: no special tokens added (we add EOS ourselves), and no
     # truncation/padding left over from someone else's __call__ on the shared transformers object.
     backend = copy.deepcopy(tokenizer.backend_tokenizer)

@@ -105,7 +105,9 @@ def check_shard_files(folder: Path, shards: list[dict], dtype: np.dtype) -> None
         if not file.is_file():
             missing.append(shard["file"])
         elif file.stat().st_size != shard["tokens"] * dtype.itemsize:
-            wrong.append(f"{shard['file']} ({file.stat().st_size} bytes, expected {shard['tokens'] * dtype.itemsize})")
+            wrong.append(
+                f"{shard['file']} ({file.stat().st_size} bytes, expected {shard['tokens'] * dtype.itemsize})"
+            )
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise FileNotFoundError(f"token corpus {folder} lacks shard files {missing[:3]}{more}; {_REBUILD}")
@@ -124,7 +126,9 @@ def verify_shard(file: Path, sha256: str | None) -> None:
         return
     actual = file_sha256(file)
     if actual != sha256:
-        raise ValueError(f"token shard {file} is corrupt: sha256 {actual[:16]}... != manifest's {sha256[:16]}...; {_REBUILD}")
+        raise ValueError(
+            f"token shard {file} is corrupt: sha256 {actual[:16]}... != manifest's {sha256[:16]}...; {_REBUILD}"
+        )
     _VERIFIED.add(key)
 
 

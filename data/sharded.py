@@ -311,9 +311,8 @@ class ShardUnitSource:
                 )
                 self.bytes_read += unit["bytes"]
                 self.rows_read += unit["rows"]
-            if unit["start"] + self._row < len(
-                self._docs
-            ):  # rows count from the unit's start, as for parquet
+            # rows count from the unit's start (after a held-out head), as for parquet
+            if unit["start"] + self._row < len(self._docs):
                 doc = self._docs[unit["start"] + self._row]
                 self._row += 1
                 return doc

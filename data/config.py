@@ -23,7 +23,8 @@ class DataConfig:
     name: str = "local"
     # "local": files on disk (parquet / jsonl / json / txt) through HF datasets;
     # "hub": a dataset on the Hugging Face hub (hf_name, hf_subset, split), streamed;
-    # "tokens": pre-tokenized uint16/uint32 shards with a manifest.json (scripts/build_corpus.py).
+    # "tokens": pre-tokenized uint16/uint32 shards with a manifest.json (scripts/pretokenize.py,
+    # scripts/build_corpus.py).
     source: str = "local"
     # local: files, folders or globs, comma-separated; tokens: the corpus folder (or its manifest.json).
     # Relative paths: under the working directory if they exist there, else under the project root.
@@ -57,8 +58,9 @@ class DataConfig:
     max_epochs: int | None = None
     # How the N = world_size * grad_accum lanes share the training data (docs/TRAINING.md, "Data"):
     # "documents": every rank reads the whole stream, document i goes to lane i mod N;
-    # "files": parquet files / row groups are split over the lanes once, so a rank reads ~1/world_size
-    # of the bytes (local parquet, http(s):// or hf:// parquet URLs, or a hub dataset of parquet files).
+    # "files": parquet files / row groups (or a token corpus's shards) are split over the lanes once, so a
+    # rank reads ~1/world_size of the bytes (local parquet, http(s):// or hf:// parquet URLs, a hub
+    # dataset of parquet files, or data.source=tokens).
     sharding: str = "documents"
     # Remote reads (hub, http): attempts in all on HTTP 429 / 5xx / timeouts, and the first backoff
     # (doubled per attempt, full jitter, at most 60 s) before a clear error naming the file.
@@ -92,11 +94,6 @@ class DataConfig:
             raise ValueError("data.tokenizer is empty: give a hub name or a local tokenizer folder")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"data.sharding={self.sharding!r} is not one of {SHARDINGS}")
-        if self.sharding == "files" and self.source == "tokens":
-            raise ValueError(
-                "data.sharding='files' reads parquet text; a token corpus (data.source=tokens) is read "
-                "with data.sharding=documents"
-            )
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch={self.prefetch} must be >= 0 (0 = no background thread)")
         if self.retry_backoff_s < 0:

@@ -1,8 +1,9 @@
-"""Sharded reading (data.sharding=files): each lane reads its own parquet row groups.
+"""Sharded reading (data.sharding=files): each lane reads its own parquet row groups or token shards.
 
 The source's files (local parquet, http(s):// / hf:// URLs, or the parquet files behind a hub
 dataset) are resolved once (rank 0, then broadcast) into units, one per row group, in the source's
-file order. The held-out head (data.val_docs) is cut off the front. Units are dealt to the
+file order; a pre-tokenized corpus (data.source=tokens) has one unit per shard of its split, in the
+manifest's order, and a lane reads its shards through memory maps. The held-out head (data.val_docs) is cut off the front. Units are dealt to the
 N = world_size * grad_accum lanes by size (largest first, each to the lane with the fewest bytes so
 far), so a rank, which serves grad_accum lanes, reads about 1/world_size of the bytes.
 
@@ -26,6 +27,7 @@ import numpy as np
 from twell.data.config import DataConfig
 from twell.data.paths import expand_files
 from twell.data.retry import with_retries
+from twell.data.token_shards import ShardDocuments, check_shard_files, manifest_dtype, read_manifest
 
 
 def _open_parquet(file: str):
@@ -41,12 +43,16 @@ def _open_parquet(file: str):
         raise
 
 
+class NotParquetError(ValueError):
+    """The source is not a set of parquet files (so it has no row groups to split)."""
+
+
 def source_files(cfg: DataConfig) -> list[str]:
     """The training split's parquet files, in the order the documents layout reads them."""
     if cfg.source == "local":
         files = expand_files(cfg.path, "data.path")
         if cfg.local_format(files) != "parquet":
-            raise ValueError(
+            raise NotParquetError(
                 f"data.sharding=files reads parquet row groups, but {files[0]} is {cfg.local_format(files)}; "
                 "convert the files to parquet or set data.sharding=documents"
             )
@@ -62,7 +68,7 @@ def source_files(cfg: DataConfig) -> list[str]:
         ) from err
     data_files = builder.config.data_files or {}
     if builder.name != "parquet" or cfg.split not in data_files:
-        raise ValueError(
+        raise NotParquetError(
             f"hub dataset {cfg.hf_name} ({cfg.hf_subset or 'default'}) is not a set of parquet files with a "
             f"{cfg.split!r} split (builder {builder.name!r}, splits {sorted(data_files)}); "
             "set data.sharding=documents"
@@ -71,7 +77,44 @@ def source_files(cfg: DataConfig) -> list[str]:
 
 
 def resolve_units(cfg: DataConfig) -> list[dict[str, Any]]:
-    """Row groups of the training files: {"file", "row_group", "start", "rows", "bytes"}, head cut off."""
+    """Row groups of the training files: {"file", "row_group", "start", "rows", "bytes"}, or the shards of
+    a token corpus: {"file" (in the corpus folder), "start", "rows" (documents), "bytes"}; head cut off."""
+    units, what = _token_units(cfg) if cfg.source == "tokens" else _row_group_units(cfg)
+    head = cfg.val_docs
+    while head and units:
+        unit = units[0]
+        take = min(head, unit["rows"] - unit["start"])
+        unit["start"] += take
+        head -= take
+        if unit["start"] == unit["rows"]:
+            units.pop(0)
+    if head or not units:
+        raise ValueError(
+            f"{what} hold(s) no training documents after the held-out head "
+            f"(data.val_docs={cfg.val_docs}); add data or lower data.val_docs"
+        )
+    return units
+
+
+def _token_units(cfg: DataConfig) -> tuple[list[dict[str, Any]], str]:
+    folder, manifest = read_manifest(cfg.path)
+    records = manifest["splits"].get(cfg.split)
+    if not records:
+        raise ValueError(
+            f"token corpus {folder} has no split {cfg.split!r} (splits: {sorted(manifest['splits'])}); "
+            "set data.split to one of them"
+        )
+    dtype = manifest_dtype(manifest)
+    check_shard_files(folder, records, dtype)
+    units = [
+        {"file": r["file"], "start": 0, "rows": r["documents"], "bytes": r["tokens"] * dtype.itemsize}
+        for r in records
+        if r["documents"]
+    ]
+    return units, f"token corpus {folder} (split {cfg.split}, {len(records)} shard(s))"
+
+
+def _row_group_units(cfg: DataConfig) -> tuple[list[dict[str, Any]], str]:
     files = source_files(cfg)
 
     def footer(file):
@@ -102,20 +145,7 @@ def resolve_units(cfg: DataConfig) -> list[dict[str, Any]]:
         for index, (rows, size) in enumerate(groups)
         if rows
     ]
-    head = cfg.val_docs
-    while head and units:
-        unit = units[0]
-        take = min(head, unit["rows"] - unit["start"])
-        unit["start"] += take
-        head -= take
-        if unit["start"] == unit["rows"]:
-            units.pop(0)
-    if head or not units:
-        raise ValueError(
-            f"{len(files)} parquet file(s) ({files[0]}, ...) hold no training documents after the held-out "
-            f"head (data.val_docs={cfg.val_docs}); add data or lower data.val_docs"
-        )
-    return units
+    return units, f"{len(files)} parquet file(s) ({files[0]}, ...)"
 
 
 def resolve_units_once(cfg: DataConfig, world_size: int) -> list[dict[str, Any]]:
@@ -140,10 +170,16 @@ def resolve_units_once(cfg: DataConfig, world_size: int) -> list[dict[str, Any]]
 def assign_units(units: list[dict[str, Any]], num_lanes: int) -> list[list[int]]:
     """Unit indices per lane, balanced by bytes (largest first to the lightest lane); each in file order."""
     if len(units) < num_lanes:
+        shards = units and "row_group" not in units[0]
+        kind, what, fix = (
+            ("token", "shard", "re-tokenize with a smaller scripts/pretokenize.py --shard-tokens")
+            if shards
+            else ("parquet", "row group", "write the files with smaller row groups, use more files")
+        )
         raise ValueError(
-            f"data.sharding=files needs at least one parquet row group per lane, but the data has "
-            f"{len(units)} row group(s) for {num_lanes} lanes (world_size * grad_accum); write the files "
-            "with smaller row groups, use more files, or set data.sharding=documents"
+            f"data.sharding=files needs at least one {kind} {what} per lane, but the data has "
+            f"{len(units)} {what}(s) for {num_lanes} lanes (world_size * grad_accum); {fix}, "
+            "or set data.sharding=documents"
         )
     load = [0] * num_lanes
     lanes: list[list[int]] = [[] for _ in range(num_lanes)]
@@ -183,10 +219,7 @@ class RowGroupSource:
         self._file: tuple[str, Any, Any] | None = None  # (name, handle, ParquetFile) kept across row groups
 
     def open(self, epoch: int, position: dict[str, Any] | None) -> None:
-        order = np.arange(len(self.units))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch, self.lane]).permutation(len(self.units))
-        self._order = [int(i) for i in order]
+        self._order = lane_order(len(self.units), self.seed, epoch, self.lane, self.shuffle)
         self._unit = position["unit"] if position else 0
         self._row = position["row"] if position else 0
         self._texts = None
@@ -235,3 +268,70 @@ class RowGroupSource:
         if self._file is not None:
             self._file[1].close()
             self._file = None
+
+
+class ShardUnitSource:
+    """One lane's documents from a token corpus: its shards, memory-mapped, checksums checked on first use.
+
+    Same positions (unit, document) and counters as RowGroupSource."""
+
+    tokenized = True
+
+    def __init__(self, cfg: DataConfig, units: list[dict[str, Any]], lane: int, seed: int, shuffle: bool):
+        self.folder, manifest = read_manifest(cfg.path)
+        self.dtype = manifest_dtype(manifest)
+        self.eos_id = manifest["eos_id"]
+        self.sha256 = {r["file"]: r.get("sha256") for r in manifest["splits"][cfg.split]}
+        self.units = units
+        self.lane = lane
+        self.seed = seed
+        self.shuffle = shuffle
+        self.description = (
+            f"lane {lane}'s {len(units)} token shard(s) ({self.folder / units[0]['file']}, ...)"
+        )
+        self.bytes_read = 0
+        self.rows_read = 0
+        self._order: list[int] = []
+        self._unit = 0
+        self._row = 0
+        self._docs: ShardDocuments | None = None
+
+    def open(self, epoch: int, position: dict[str, Any] | None) -> None:
+        self._order = lane_order(len(self.units), self.seed, epoch, self.lane, self.shuffle)
+        self._unit = position["unit"] if position else 0
+        self._row = position["row"] if position else 0
+        self._docs = None
+
+    def next_document(self):
+        while self._unit < len(self._order):
+            unit = self.units[self._order[self._unit]]
+            if self._docs is None:
+                self._docs = ShardDocuments(
+                    self.folder / unit["file"], self.dtype, self.eos_id, self.sha256.get(unit["file"])
+                )
+                self.bytes_read += unit["bytes"]
+                self.rows_read += unit["rows"]
+            # rows count from the unit's start (after a held-out head), as for parquet
+            if unit["start"] + self._row < len(self._docs):
+                doc = self._docs[unit["start"] + self._row]
+                self._row += 1
+                return doc
+            self._unit, self._row, self._docs = self._unit + 1, 0, None
+        return None
+
+    def position(self) -> dict[str, Any]:
+        return {"unit": self._unit, "row": self._row}
+
+
+def lane_order(count: int, seed: int, epoch: int, lane: int, shuffle: bool) -> list[int]:
+    """The order a lane reads its units in an epoch: shuffled with (seed, epoch, lane), or as given."""
+    order = np.arange(count)
+    if shuffle:
+        order = np.random.default_rng([seed, epoch, lane]).permutation(count)
+    return [int(i) for i in order]
+
+
+def lane_source(cfg: DataConfig, units: list[dict[str, Any]], lane: int, seed: int):
+    """The source of one lane's units: token shards (data.source=tokens) or parquet row groups."""
+    kind = ShardUnitSource if cfg.source == "tokens" else RowGroupSource
+    return kind(cfg, units, lane, seed, cfg.shuffle)

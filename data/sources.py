@@ -20,7 +20,13 @@ import numpy as np
 from twell.data.config import DataConfig
 from twell.data.paths import expand_files, is_url
 from twell.data.retry import is_retryable, with_retries
-from twell.data.token_shards import ShardDocuments, read_manifest, token_dtype
+from twell.data.token_shards import (
+    ShardDocuments,
+    check_shard_files,
+    check_tokenizer,
+    manifest_dtype,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +188,7 @@ class TokenShardSource:
         split: str | None = None,
         seed: int = 0,
         shuffle_files: bool = False,
-        eos_id: int | None = None,
-        vocab_size: int | None = None,
+        tokenizer=None,
     ) -> None:
         self.folder, self.manifest = read_manifest(cfg.path)
         self.split = split or cfg.split
@@ -193,22 +198,12 @@ class TokenShardSource:
                 f"token corpus {self.folder} has no split {self.split!r} (splits: {sorted(splits)}); "
                 "set data.split / data.val_split to one of them"
             )
-        if eos_id is not None and eos_id != self.manifest["eos_id"]:
-            raise ValueError(
-                f"token corpus {self.folder} was built with EOS id {self.manifest['eos_id']} "
-                f"({self.manifest.get('tokenizer')}), but the tokenizer's EOS id is {eos_id}: set "
-                f"data.tokenizer={self.manifest.get('tokenizer')} or rebuild the corpus with this tokenizer"
-            )
-        if vocab_size is not None and self.manifest["vocab_size"] > vocab_size:
-            raise ValueError(
-                f"token corpus {self.folder} has vocab_size {self.manifest['vocab_size']} > tokenizer's "
-                f"{vocab_size}: set data.tokenizer={self.manifest.get('tokenizer')}"
-            )
-        self.shards = [self.folder / shard["file"] for shard in splits[self.split]]
-        missing = [str(f) for f in self.shards if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"token corpus {self.folder} lacks shard files {missing}; rebuild it")
-        self.dtype = np.dtype(self.manifest.get("dtype") or token_dtype(self.manifest["vocab_size"]))
+        if tokenizer is not None:
+            check_tokenizer(self.folder, self.manifest, tokenizer)
+        self.dtype = manifest_dtype(self.manifest)
+        self.records = splits[self.split]
+        check_shard_files(self.folder, self.records, self.dtype)
+        self.shards = [self.folder / shard["file"] for shard in self.records]
         self.seed = seed
         self.shuffle_files = shuffle_files
         self.description = f"token corpus {self.folder} (split {self.split}, {len(self.shards)} shard(s))"
@@ -229,8 +224,9 @@ class TokenShardSource:
     def next_document(self) -> np.ndarray | None:
         while self._shard < len(self._order):
             if self._docs is None:
+                index = self._order[self._shard]
                 self._docs = ShardDocuments(
-                    self.shards[self._order[self._shard]], self.dtype, self.manifest["eos_id"]
+                    self.shards[index], self.dtype, self.manifest["eos_id"], self.records[index].get("sha256")
                 )
             if self._doc < len(self._docs):
                 doc = self._docs[self._doc]
@@ -243,14 +239,13 @@ class TokenShardSource:
         return {"shard": self._shard, "doc": self._doc}
 
 
-def open_source(cfg: DataConfig, role: str, *, seed: int, eos_id: int, vocab_size: int):
-    """The source for role "train" or "val" (val: data.val_path, data.val_split, else the train source)."""
+def open_source(cfg: DataConfig, role: str, *, seed: int, tokenizer):
+    """The source for role "train" or "val" (val: data.val_path, data.val_split, else the train source);
+    a token corpus is checked against `tokenizer`."""
     shuffle = cfg.shuffle and role == "train" and cfg.val_docs == 0  # a held-out head needs a fixed order
     if cfg.source == "tokens":
         split = cfg.val_split if role == "val" and cfg.val_split else cfg.split
-        return TokenShardSource(
-            cfg, split=split, seed=seed, shuffle_files=shuffle, eos_id=eos_id, vocab_size=vocab_size
-        )
+        return TokenShardSource(cfg, split=split, seed=seed, shuffle_files=shuffle, tokenizer=tokenizer)
     if role == "val" and cfg.val_path:
         return TextSource(cfg, files=cfg.val_path, seed=seed)
     split = cfg.val_split if role == "val" and cfg.val_split else cfg.split

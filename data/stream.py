@@ -6,8 +6,8 @@ Rank r serves lanes r*A .. r*A + A - 1 in turn, so micro-step k of an optimizer 
 and the global batch of a step is the same for every (world_size, grad_accum) with the same
 product. Every rank reads the whole document sequence but tokenizes only its own lanes' documents.
 
-With data.sharding=files (data/sharded.py) each lane instead reads its own parquet row groups
-(LaneStream): a rank reads only its lanes' share of the bytes, and the global batch still depends
+With data.sharding=files (data/sharded.py) each lane instead reads its own parquet row groups or
+token shards (LaneStream): a rank reads only its lanes' share of the bytes, and the global batch still depends
 only on the lane count.
 """
 
@@ -24,8 +24,9 @@ from twell.data.config import DataConfig
 from twell.data.packing import LaneBuffer, rows_to_batch
 from twell.data.prefetch import Prefetcher
 from twell.data.reader import DocumentReader
-from twell.data.sharded import RowGroupSource, assign_units, fingerprint, resolve_units_once
+from twell.data.sharded import assign_units, fingerprint, lane_source, resolve_units_once
 from twell.data.sources import open_source
+from twell.data.token_shards import check_tokenizer, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class LaneStream:
         self.micro_batch = micro_batch
         self.tokenize_batch = cfg.tokenize_batch
         self.sources = [
-            RowGroupSource(cfg, [units[i] for i in lanes[lane]], lane, seed, cfg.shuffle)
+            lane_source(cfg, [units[i] for i in lanes[lane]], lane, seed)
             for lane in range(rank * grad_accum, rank * grad_accum + grad_accum)
         ]
         self.readers = [
@@ -291,10 +292,12 @@ def build_train_stream(
     cfg = DataConfig.from_any(cfg)
     _check_layout(seq_len, micro_batch, rank, world_size, grad_accum)
     if cfg.sharding == "files":
+        if cfg.source == "tokens":  # every rank checks: a wrong tokenizer fails before any collective
+            check_tokenizer(*read_manifest(cfg.path), tokenizer)
         stream = LaneStream(
             cfg,
             resolve_units_once(cfg, world_size),
-            _text_encoder(tokenizer),
+            _token_passthrough if cfg.source == "tokens" else text_encoder(tokenizer),
             eos_id=tokenizer.eos_token_id,
             seq_len=seq_len,
             micro_batch=micro_batch,
@@ -304,7 +307,7 @@ def build_train_stream(
             seed=seed,
         )
         return Prefetcher(stream, cfg.prefetch)
-    source = open_source(cfg, "train", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    source = open_source(cfg, "train", seed=seed, tokenizer=tokenizer)
     head = cfg.val_docs if _held_out_head(cfg) else 0
     stream = _stream(
         cfg,
@@ -403,7 +406,7 @@ def _open_val_source(cfg: DataConfig, tokenizer, seed: int):
         )
     if cfg.source == "local" and cfg.val_split and not cfg.val_path:
         raise ValueError("data.val_split needs a hub or token source; for local files set data.val_path")
-    source = open_source(cfg, "val", seed=seed, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    source = open_source(cfg, "val", seed=seed, tokenizer=tokenizer)
     return source, cfg.val_docs if _held_out_head(cfg) else None
 
 
@@ -441,7 +444,7 @@ def _stream(
         max_epochs=max_epochs,
         epoch_log_level=epoch_log_level,
     )
-    encode = _token_passthrough if source.tokenized else _text_encoder(tokenizer)
+    encode = _token_passthrough if source.tokenized else text_encoder(tokenizer)
     return PackedStream(
         reader,
         encode,
@@ -456,7 +459,10 @@ def _stream(
     )
 
 
-def _text_encoder(tokenizer):
+def text_encoder(tokenizer):
+    """list of texts -> list of int64 token arrays, as the training stream tokenizes (no special tokens).
+
+    Also what scripts/pretokenize.py writes, so text and token corpora hold the same tokens."""
     # A private copy of the Rust tokenizer: no special tokens added (we add EOS ourselves), and no
     # truncation/padding left over from someone else's __call__ on the shared transformers object.
     backend = copy.deepcopy(tokenizer.backend_tokenizer)

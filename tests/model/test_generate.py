@@ -80,9 +80,7 @@ def test_greedy_equals_transformers_generate_on_the_exported_llama(tmp_path):
     for prompt, tokens in zip(prompts, ours):
         with torch.no_grad():
             ids = torch.tensor([prompt])  # an explicit mask: HF would take pad-id tokens for padding
-            theirs = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
-            )
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
         assert theirs[0, len(prompt) :].tolist() == tokens
 
 
@@ -197,7 +195,9 @@ def test_bad_inputs_name_the_fix():
         generate(model, [[1], [2], [3]], 2, decoder=decoder)
     with pytest.raises(ValueError, match="a prompt of 17 tokens is longer than the KV cache"):
         decoder.prefill([[1] * 17])
-    with pytest.raises(ValueError, match=r"prompt 1 must be a flat list of token ids in \[0, vocab_size=96\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt 1 must be a flat list of token ids in \[0, vocab_size=96\)"
+    ):
         decoder.prefill([[1], [96]])
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         decoder.prefill([[1], []])

@@ -5,6 +5,8 @@ dense ones, sampling reproduces from a seed, and bad inputs name the fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -233,3 +235,36 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
     assert out.tokens == generate(model, prompts, 6).tokens
     with pytest.raises(ValueError, match="generator is on cpu but the model is on cuda"):
         generate(model, prompts, 2, temperature=1.0, generator=torch.Generator())
+
+
+def test_generate_script_streams_one_prompt_and_batches_a_file(tmp_path, capsys):
+    import generate as generate_script  # scripts/, on sys.path through tests/conftest.py
+
+    from twell.data.tokenizer import train_bpe_tokenizer
+    from twell.model.hf_io import export_hf
+
+    texts = [f"the cache holds {w} keys and {w} values for every layer." for w in ("old", "new", "many")] * 20
+    tokenizer = train_bpe_tokenizer(texts, 300, tmp_path / "tok")
+    model = make_model(10, vocab_size=len(tokenizer))
+    folder = export_hf(model, tokenizer, tmp_path / "hf")
+    base = [f"checkpoint={folder}", "max_new_tokens=6", "stop_at_eos=false"]
+
+    rows = generate_script.main(base + ["prompt=the cache"])
+    printed = capsys.readouterr().out
+    prompt_ids = [tokenizer.eos_token_id] + tokenizer("the cache", add_special_tokens=False)["input_ids"]
+    assert rows[0]["tokens"] == generate(model, [prompt_ids], 6).tokens[0]
+    assert printed == "the cache" + rows[0]["completion"] + "\n"  # streamed piece by piece
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cache\n\nholds\nevery layer\n")
+    out = tmp_path / "out.jsonl"
+    rows = generate_script.main(base + [f"file={prompts}", "batch_size=2", f"out={out}"])
+    assert [r["prompt"] for r in rows] == ["the cache", "holds", "every layer"]
+    for row in rows:  # batched greedy = each alone
+        ids = [tokenizer.eos_token_id] + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        assert row["tokens"] == generate(model, [ids], 6).tokens[0]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    with pytest.raises(ValueError, match='exactly one of prompt="<text>" or file='):
+        generate_script.main(base)
+    with pytest.raises(ValueError, match="stop_at_eos='maybe' must be true or false"):
+        generate_script.main([f"checkpoint={folder}", "prompt=x", "stop_at_eos=maybe"])

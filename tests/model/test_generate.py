@@ -268,3 +268,36 @@ def test_generate_script_streams_one_prompt_and_batches_a_file(tmp_path, capsys)
         generate_script.main(base)
     with pytest.raises(ValueError, match="stop_at_eos='maybe' must be true or false"):
         generate_script.main([f"checkpoint={folder}", "prompt=x", "stop_at_eos=maybe"])
+
+
+@pytest.mark.slow
+def test_bench_generate_quick_writes_table_json_and_png(tmp_path):
+    import bench_generate  # scripts/
+
+    rows = bench_generate.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["impl"], r["batch"]) for r in rows] == [("dense", 1), ("dense", 2), ("twell", 1), ("twell", 2)]
+    for row in rows:
+        assert row["ttft_ms"] > 0 and row["decode_tok_s"] > 0 and row["new_tokens"] == 3
+        assert row["x_dense"] == pytest.approx(
+            row["decode_tok_s"] / rows[0 if row["batch"] == 1 else 1]["decode_tok_s"]
+        )
+    for row in rows[2:]:  # fp32: the TwELL kernels give dense's greedy tokens
+        assert row["agreement"]["rows_equal"] == row["agreement"]["rows"] == row["batch"]
+    doc = json.loads((tmp_path / "bench_generate.json").read_text())
+    assert doc["rows"] == rows and doc["calibration"]["tiny"]["tokens"] == 2 * 8
+    assert (tmp_path / "bench_generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_generate_agreement_finds_the_first_difference_and_its_logit_gap():
+    import bench_generate  # scripts/
+
+    model = make_model(11)
+    prompts = torch.tensor(random_prompts([5, 5], SHAPE["vocab_size"], 11))
+    dense = generate(model, prompts, 6).tokens
+    sparse = [list(dense[0]), dense[1][:2] + [(dense[1][2] + 1) % SHAPE["vocab_size"]] + dense[1][3:]]
+    report = bench_generate.agreement(model, prompts, dense, sparse)
+    assert report["rows_equal"] == 1 and report["rows"] == 2
+    assert report["equal_share"] == pytest.approx((1 + 2 / 6) / 2)
+    # dense's own token is its argmax there: a positive gap in bf16 steps
+    assert len(report["gap_steps"]) == 1 and report["gap_steps"][0] > 0
+    assert report["ties"] == (report["gap_steps"][0] <= 1)

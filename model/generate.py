@@ -193,8 +193,8 @@ class Decoder:
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (Triton autotuning, the fused kernel's per-stream workspace) and capture the step of
-        `batch` rows on a side stream. The warm-up steps write slots past each row's position, which
-        the real steps overwrite before reading; the positions are put back."""
+        `batch` rows on a side stream. Every warm-up step starts from the same positions, so each one
+        writes this step's keys and values into the slots the step itself writes (never past the cache)."""
         if self._stream is None:
             self._stream, self._pool = torch.cuda.Stream(self._tokens.device), torch.cuda.graph_pool_handle()
         saved = self._positions[:batch].clone()
@@ -202,7 +202,7 @@ class Decoder:
         with torch.cuda.stream(self._stream):
             for _ in range(GRAPH_WARMUP_STEPS):
                 self._step_body(batch)
-            self._positions[:batch].copy_(saved)
+                self._positions[:batch].copy_(saved)
         torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):

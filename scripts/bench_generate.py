@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_model import set_ffn_impl  # scripts/
 
 from twell.model import Decoder, ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
@@ -81,11 +82,6 @@ def make_prompts(args, cfg: ModelConfig, tokenizer_name: str | None, device) -> 
         return flat.view(rows, args.prompt_len).to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     return torch.randint(0, cfg.vocab_size, (rows, args.prompt_len), generator=gen, device=device)
-
-
-def set_ffn_impl(model: Transformer, impl: str) -> None:
-    for block in model.layers:
-        block.ffn.impl = impl
 
 
 def run_variant(

@@ -233,6 +233,9 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
             torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
     out = generate(model, prompts, 6, cuda_graph=True)
     assert out.tokens == generate(model, prompts, 6).tokens
+    # The graph captured at the cache's last slot (its warm-up steps must stay inside the cache).
+    full = [[3] * 63]
+    assert generate(model, full, 2, cuda_graph=True).tokens == generate(model, full, 2).tokens
     with pytest.raises(ValueError, match="generator is on cpu but the model is on cuda"):
         generate(model, prompts, 2, temperature=1.0, generator=torch.Generator())
 

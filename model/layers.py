@@ -6,11 +6,16 @@ in nn.Linear layout) so our weights map 1:1 onto a `LlamaForCausalLM` folder and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from twell.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from twell.model.kv_cache import LayerKV
 
 
 class RMSNorm(nn.Module):
@@ -59,14 +64,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None
+    ) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]. cos, sin: [S, hd], or [B, 1, S, hd] per sequence (generation).
+        kv: a KV cache layer (model/kv_cache.py) that the keys and values are written to; a decode
+        step attends to the cache under its mask, a prefill causally to its own tokens."""
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if kv is not None:
+            k, v = kv.store(k, v)
+            mask = kv.mask
         # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), HF's repeat_kv order.
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,10 @@ from torch import nn
 from twell.model.config import ModelConfig
 from twell.model.ffn import FFNStats, ReLUGatedFFN
 from twell.model.layers import Attention, RMSNorm, rope_cos_sin
+
+if TYPE_CHECKING:
+    from twell.model.generate import GenerationOutput
+    from twell.model.kv_cache import LayerKV
 
 
 @dataclass
@@ -39,8 +44,15 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = ReLUGatedFFN(cfg.d_model, cfg.d_ff, cfg.ffn_impl, cfg.init_std, cfg.twell_hot_units)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_stats: bool = True):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        with_stats: bool = True,
+        kv: LayerKV | None = None,
+    ):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         y, l1, stats = self.ffn(self.ffn_norm(x), with_stats)
         return x + y, l1, stats
 
@@ -93,25 +105,44 @@ class Transformer(nn.Module):
             logits=logits, l1=torch.stack(l1s).mean(), stats=_stack_stats(layer_stats, tokens.numel())
         )
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        kv: list[LayerKV] | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens int64 [B, S] -> the final RMSNorm's output [B, S, d_model]: the decoder stack without
-        the output head (as HF's `LlamaModel`), no L1 or statistics (inference kernels under no_grad)."""
-        return self._decoder(tokens, with_stats=False)[0]
+        the output head (as HF's `LlamaModel`), no L1 or statistics (inference kernels under no_grad).
 
-    def _decoder(self, tokens: torch.Tensor, with_stats: bool):
+        Generation (model/generate.py): kv, one KV cache layer per block (model/kv_cache.py), and
+        positions, int64 [B, S] RoPE positions per sequence (None: 0..S-1, a prefill's)."""
+        return self._decoder(tokens, with_stats=False, kv=kv, positions=positions)[0]
+
+    def generate(self, prompts, max_new_tokens: int, **options) -> GenerationOutput:
+        """Continue each prompt (token ids) by up to max_new_tokens tokens with a KV cache: greedy by
+        default; options as `twell.model.generate.generate` (temperature, top_k, top_p, eos_token_id,
+        generator, on_token, decoder, cuda_graph)."""
+        from twell.model.generate import generate
+
+        return generate(self, prompts, max_new_tokens, **options)
+
+    def _decoder(self, tokens: torch.Tensor, with_stats: bool, kv=None, positions=None):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
-        seq_len = tokens.shape[1]
-        if seq_len > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}; "
-                f"shorten the input or build the model with a larger max_seq_len"
-            )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if positions is None:
+            seq_len = tokens.shape[1]
+            if seq_len > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}; "
+                    f"shorten the input or build the model with a larger max_seq_len"
+                )
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:  # per-sequence positions (checked by the caller): [B, 1, S, hd], broadcast over heads
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.tok_embeddings(tokens)
         l1s, layer_stats = [], []
-        for block in self.layers:
-            x, l1, stats = block(x, cos, sin, with_stats)
+        for i, block in enumerate(self.layers):
+            x, l1, stats = block(x, cos, sin, with_stats, None if kv is None else kv[i])
             l1s.append(l1)
             layer_stats.append(stats)
         return self.norm(x), l1s, layer_stats

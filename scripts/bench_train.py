@@ -17,11 +17,16 @@ backward beyond the inputs (measured with saved_tensors_hooks), peak memory of t
 errors of y and the four gradients against an fp32 reference next to the dense-bf16 errors (the
 rounding level), rows on the overflow path.
 `--profile` adds a per-kernel CUDA time table of one TwELL step (where the time goes).
+Every row also reports the host's cost of a step (ms to issue the forward and the backward from a
+synchronized start, against the GPU finishing) and the GPU kernels (launches) one step runs. `--sizes
+deferred` times TwELL as the trainer runs it (entry lists at fixed sizes, one settle per step);
+`--twell-compile` adds TwELL rows under torch.compile (named *_compiled).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +39,7 @@ from twell.kernels.synthetic import paper_like_ffn_inputs
 from twell.kernels.train import (
     BACKWARD_VARIANTS,
     SIZES,
+    deferred_sizes,
     set_backward_variant,
     set_hot_units,
     set_sizes,
@@ -144,13 +150,34 @@ def _l1_grad(device) -> torch.Tensor:
     return _L1_GRAD[device]
 
 
+# The open DeferredSizes of a row timed with --sizes deferred: each step settles it, as the trainer does.
+_SETTLE: list = [None]
+
+
 def _step(fn, leaves, grad_y) -> torch.Tensor:
-    """One forward + backward with fresh gradients; returns y."""
+    """One forward + backward with fresh gradients (and, under deferred sizes, the step's settle: one
+    host sync, as in the trainer); returns y."""
     for t in leaves:
         t.grad = None
     y, l1 = fn(*leaves)
     torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
+    if _SETTLE[0] is not None and _SETTLE[0].settle():
+        raise RuntimeError(
+            "a deferred TwELL call missed its capacity in the benchmark (inputs do not change)"
+        )
     return y
+
+
+def launches_per_step(fn, leaves, grad_y) -> int:
+    """GPU kernels (memsets and copies included) that one step runs, from the profiler's trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _step(fn, leaves, grad_y)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _step(fn, leaves, grad_y)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
@@ -169,6 +196,8 @@ def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
         t1 = time.perf_counter()
         torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
         t2 = time.perf_counter()
+        if _SETTLE[0] is not None:
+            _SETTLE[0].settle()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         runs.append((1e3 * (t1 - t0), 1e3 * (t2 - t0), 1e3 * (t3 - t0)))
@@ -326,6 +355,49 @@ def _print_host_profile(leaves, grad_y, steps: int = 20, top: int = 30) -> None:
     stats.sort_stats("cumulative").print_stats(top)
 
 
+_COMPILED_TWELL: list = []
+
+
+def _compiled_twell():
+    """twell_ffn's (y, l1) under torch.compile (the custom op in an Inductor graph), made once."""
+    if not _COMPILED_TWELL:
+        _COMPILED_TWELL.append(torch.compile(_twell_y_l1, fullgraph=True))
+    return _COMPILED_TWELL[0]
+
+
+def _bench_impl(name, fn, variant, leaves, grad_y, ref, args, source, rep) -> dict:
+    """One implementation's row: times, host cost, launches, memory, errors (and its CUDA graph)."""
+    M, D = leaves[0].shape
+    F = leaves[1].shape[0]
+    errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
+    fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
+    step_ms = triton.testing.do_bench(lambda fn=fn: _step(fn, leaves, grad_y), rep=rep, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _step(fn, leaves, grad_y)
+    torch.cuda.synchronize()
+    row = dict(
+        source=source, tokens=M, d_model=D, d_ff=F, impl=name, fwd_ms=fwd_ms, fwd_bwd_ms=step_ms,
+        # Saved bytes of the compiled dense path are those of its eager twin (hooks cannot see into
+        # a compiled graph's saved tensors).
+        saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
+        peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, **errors,
+    )  # fmt: skip
+    # The compiled dense step too: Inductor's kernels capture. Not under deferred sizes (the settle syncs).
+    if getattr(args, "cuda_graph", False) and _SETTLE[0] is None:
+        row.update(graphed_step(fn, leaves, grad_y, ref, rep, twell=bool(variant)))
+    if variant:
+        out = twell_ffn(*leaves)
+        row.update(
+            overflow_rows=int(out.overflow_rows),
+            mean_active=out.row_active.float().mean().item(),
+            max_active=int(out.row_active.max()),
+        )
+    row.update(host_times(fn, leaves, grad_y), launches=launches_per_step(fn, leaves, grad_y))
+    return row
+
+
 def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[dict]:
     """One synthetic shape: paper-like bf16 inputs [M, d_model] x [F, d_model]."""
     inputs = paper_like_ffn_inputs(M, args.d_model, F, device="cuda", dtype=torch.bfloat16, seed=M + F)
@@ -334,8 +406,6 @@ def bench_shape(M: int, F: int, args, compiled, profile: bool = False) -> list[d
 
 def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> list[dict]:
     """Time and check every implementation on x, w_gate, w_up, w_down (CUDA tensors, one dtype)."""
-    M, D = inputs[0].shape
-    F = inputs[1].shape[0]
     leaves, grad_y, ref = prepare_step(inputs)
     rep = getattr(args, "rep", 100)
 
@@ -346,13 +416,15 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
     sizes = getattr(args, "sizes", None) or ["estimate"]
     streams = getattr(args, "streams", None) or ["on"]
+    modes = ["eager"] + (["compiled"] if getattr(args, "twell_compile", False) else [])
     impls += [
         (
             f"twell_{v}"
             + (f"_h{k}" if k else "")
             + ("" if z == "estimate" else f"_{z}")
-            + ("" if st == "on" else "_one_stream"),
-            _twell_y_l1,
+            + ("" if st == "on" else "_one_stream")
+            + ("" if c == "eager" else "_compiled"),
+            _twell_y_l1 if c == "eager" else _compiled_twell(),
             v,
             k,
             z,
@@ -362,43 +434,23 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         for k in hots
         for z in sizes
         for st in streams
+        for c in modes
     ]
 
     rows = []
     for name, fn, variant, hot, *modes in impls:
-        if variant:
-            size_mode, stream_mode = modes
-            set_backward_variant(variant)
-            set_hot_units(hot)
-            set_sizes(size_mode)
-            set_streams(stream_mode == "on")
-        errors = _errors(fn, leaves, grad_y, ref)  # also warms up (compile, autotune)
-        fwd_ms = triton.testing.do_bench(lambda fn=fn: fn(*leaves), rep=rep, return_mode="median")
-        step_ms = triton.testing.do_bench(
-            lambda fn=fn: _step(fn, leaves, grad_y), rep=rep, return_mode="median"
-        )
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        _step(fn, leaves, grad_y)
-        torch.cuda.synchronize()
-        row = dict(
-            source=source, tokens=M, d_model=D, d_ff=F, impl=name, fwd_ms=fwd_ms, fwd_bwd_ms=step_ms,
-            # Saved bytes of the compiled dense path are those of its eager twin (hooks cannot see into
-            # a compiled graph's saved tensors).
-            saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
-            peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, **errors,
-        )  # fmt: skip
-        if getattr(args, "cuda_graph", False):  # the compiled dense step too: Inductor's kernels capture
-            row.update(graphed_step(fn, leaves, grad_y, ref, rep, twell=bool(variant)))
-        if variant:
-            out = twell_ffn(*leaves)
-            row.update(
-                overflow_rows=int(out.overflow_rows),
-                mean_active=out.row_active.float().mean().item(),
-                max_active=int(out.row_active.max()),
-            )
-        rows.append(row)
+        with contextlib.ExitStack() as row_scope:
+            if variant:
+                size_mode, stream_mode = modes
+                set_backward_variant(variant)
+                set_hot_units(hot)
+                set_sizes("estimate" if size_mode == "deferred" else size_mode)
+                set_streams(stream_mode == "on")
+                if size_mode == "deferred":
+                    _SETTLE[0] = row_scope.enter_context(deferred_sizes())
+                    row_scope.callback(_SETTLE.__setitem__, 0, None)
+            rows.append(_bench_impl(name, fn, variant, leaves, grad_y, ref, args, source, rep))
+
     set_backward_variant("auto")
     set_hot_units(None)
     set_sizes("estimate")
@@ -449,6 +501,16 @@ def print_table(rows) -> None:
             f"{r['err_dw_gate']:>8.1e} {r['err_dw_up']:>8.1e} {r['err_dw_down']:>8.1e} "
             f"{r.get('overflow_rows', ''):>4} {r.get('mean_active', 0):>5.1f} {'yes' if r['ok'] else 'NO'}"
         )
+    print("host cost of a step (ms from a synchronized start) and GPU kernels per step")
+    print(
+        f"{'tokens':>7} {'d_ff':>5} {'impl':<28} {'fwd issued':>10} {'bwd issued':>10} {'GPU done':>9} {'kernels':>7}"
+    )
+    for r in rows:
+        if "gpu_done_ms" in r:
+            print(
+                f"{r['tokens']:>7} {r['d_ff']:>5} {r['impl']:<28} {r['host_fwd_ms']:>10.3f} "
+                f"{r['host_bwd_issued_ms']:>10.3f} {r['gpu_done_ms']:>9.3f} {r['launches']:>7}"
+            )
     graphed = [r for r in rows if "graph_speedup" in r]
     if graphed:
         print(
@@ -541,9 +603,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--hot-units", type=int, nargs="*", default=[0, 1024], help="K units on dense GEMMs (0: all sparse)"
     )
     p.add_argument(
-        "--sizes", nargs="*", choices=SIZES, default=["estimate"],
-        help="how the op sizes its entry list: estimate (default, no sync while the gate runs) or exact",
+        "--sizes", nargs="*", choices=(*SIZES, "deferred"), default=["estimate"],
+        help="how the op sizes its entry list: estimate (default, no sync while the gate runs), exact, "
+        "static, or deferred (fixed sizes settled once per step, as the trainer runs it)",
     )  # fmt: skip
+    p.add_argument(
+        "--twell-compile", action="store_true", help="also time TwELL under torch.compile (rows *_compiled)"
+    )
     p.add_argument(
         "--cuda-graph", action="store_true",
         help="also time each step captured in one CUDA graph (dense eager and compiled, TwELL at static sizes)",

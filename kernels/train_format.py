@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .gate import _popc32, _scatter_hot, _zero_rows, load_bit_words, select_hot_units
+from .bitmask import _popc32, load_bit_words, select_hot_units
+from .gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 

@@ -31,7 +31,8 @@ import sys
 import torch
 
 from twell.kernels import twell_ffn_inference, twell_gate
-from twell.kernels.gate import count_fires, relu_gate_bits, twell_gate_hot
+from twell.kernels.bitmask import count_fires
+from twell.kernels.gate import relu_gate_bits, twell_gate_hot
 from twell.kernels.inference import (
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,

@@ -21,33 +21,31 @@ import sys
 import torch
 from bench_ffn import write_results
 
-from twell.kernels.gate import (
+from twell.kernels.gate import default_slots, default_tile_n, launch_gate, set_gate_variant, twell_gate_hot
+from twell.kernels.gate_compact import (
+    _tuned_compact,
+    _tuned_compact_bits,
+    launch_compact,
+    launch_compact_bits,
+)
+from twell.kernels.gate_gemm import (
     _TUNED,
     PERSISTENT_CONFIGS,
     _launch_gemm,
     _regime,
-    _tuned_compact,
-    _tuned_compact_bits,
-    default_slots,
-    default_tile_n,
-    launch_compact,
-    launch_compact_bits,
-    launch_gate,
     launch_relu_bits_persistent,
-    set_gate_variant,
-    twell_gate_hot,
 )
 from twell.kernels.synthetic import paper_like_ffn_inputs
 
-VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default, compact)
-    ("tma", False, "counts", None, None, None, None),
-    ("tma", False, "dense", None, None, None, None),
-    ("tma", False, "dense_bits", None, None, None, None),
-    ("tma", False, "twell", 128, "fused", None, None),
-    ("tma", False, "twell", None, "two_kernel", None, "scan"),
-    ("tma", False, "twell", None, "two_kernel", None, "bits"),
+VARIANTS = [  # (loads, epilogue, sub_n, path, format tile_n or None for the default, compact)
+    ("tma", "counts", None, None, None, None),
+    ("tma", "dense", None, None, None, None),
+    ("tma", "dense_bits", None, None, None, None),
+    ("tma", "twell", 128, "fused", None, None),
+    ("tma", "twell", None, "two_kernel", None, "scan"),
+    ("tma", "twell", None, "two_kernel", None, "bits"),
 ]
-QUICK_VARIANTS = [v for v in VARIANTS if v[4] != "fused" and v[2] != "counts"]
+QUICK_VARIANTS = [v for v in VARIANTS if v[3] != "fused" and v[1] != "counts"]
 
 
 def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
@@ -71,9 +69,9 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         triton.testing.do_bench(lambda: torch.relu(x @ wg.T), rep=rep, return_mode="median"),
     )
     buffers = {}
-    for loads, persistent, epi, sub_n, path, tn, compact in variants:
+    for loads, epi, sub_n, path, tn, compact in variants:
         tile_n = tn or default_tile_n(M, F)
-        if M <= 64 and (persistent or epi != "twell" or tn):
+        if M <= 64 and (epi != "twell" or tn):
             continue
         if tile_n not in buffers:
             buffers.clear()
@@ -91,11 +89,11 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         b = buffers[tile_n]
         if epi == "dense_bits":  # the bitmask goes where the counts would: [M, F // 32] int32
             b = (torch.empty((M, F // 32), dtype=torch.int32, device="cuda"),) + b[1:]
-        set_gate_variant(loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact)
+        set_gate_variant(loads=loads, sub_n=sub_n, path=path, compact=compact)
         fn = lambda e=epi, d=dense, t=tile_n, b=b: launch_gate(  # noqa: E731
             x, wg, b[0], b[1], b[2], t, b[3], epilogue=e, dense=d
         )
-        name = f"{loads}{'+pers' if persistent else ''} {epi if path != 'two_kernel' else 'two_kernel'}"
+        name = f"{loads} {epi if path != 'two_kernel' else 'two_kernel'}"
         name += f" {compact}" if compact else ""
         name += f" n{tile_n}" + (f" s{min(sub_n, tile_n)}" if epi == "twell" and path == "fused" else "")
         try:

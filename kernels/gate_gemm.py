@@ -83,17 +83,9 @@ def gate_tile_preact(
 
 @triton.jit
 def _gate_tile_tma(
-    x_desc,
-    w_desc,
-    off_m,
-    off_n,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    x_desc, w_desc, off_m, off_n, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """Same tile through TMA descriptors (rows past M / cols past F read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, D, BLOCK_K):

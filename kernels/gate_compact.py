@@ -17,6 +17,8 @@ from .bitmask import _popc32, load_bit_words
 
 
 def _off32(M: int, F: int, tile_n: int, slots: int) -> bool:
+    """Whether every entry offset of a TwELL gate of M rows (and a last row block's 256 rows past M)
+    fits an int32, so the kernels' OFF32 offset math may skip int64."""
     return (M + 256) * cdiv(F, tile_n) * slots < 2**31
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
-from .gate import gate_tile_preact
+from .gate_gemm import gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)

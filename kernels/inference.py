@@ -42,8 +42,9 @@ from ._common import (
     interpreting,
     next_pow2,
 )
+from .bitmask import count_fires
 from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_workspace
-from .gate import _twell_gate, count_fires, relu_gate_bits, twell_gate_hot
+from .gate import _twell_gate, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
 from .train_format import build_pattern, hot_split
 from .train_rowfwd import row_ffn_inference

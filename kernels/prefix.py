@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
-from .gate import _gate_tile_tma, _grouped_tile, gate_tile_preact
+from .gate_gemm import _gate_tile_tma, _grouped_tile, gate_tile_preact
 
 
 @triton.jit

@@ -34,7 +34,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import check_ffn_args, check_hot_units, check_kernel_device
-from .gate import count_fires, relu_gate_bits
+from .bitmask import count_fires
+from .gate import relu_gate_bits
 from .inference import default_hot_units
 from .reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc

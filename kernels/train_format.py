@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .gate import _popc32, _scatter_hot, _zero_rows, load_bit_words, select_hot_units
+from .bitmask import _popc32, load_bit_words, select_hot_units
+from .gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 
@@ -153,7 +154,7 @@ def _emit_entries(
 
 
 # ROWS x W_PAD (256 at d_ff 5632) words per program; the work per word is ~15 ops per iteration. The
-# configs of the TwELL compaction this replaced (kernels/gate.py, _compact_bits_kernel).
+# configs of the TwELL compaction this replaced (kernels/gate_compact.py, _compact_bits_kernel).
 _tuned_compact_csr = triton.autotune(
     configs=[triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))],
     key=["M_BUCKET", "F", "HOT"],
@@ -181,7 +182,7 @@ def build_pattern(
 ) -> TrainPattern:
     """h [M, F] (relu'd gate values) and its positive bitmask bits int32 [M, F // 32] -> TrainPattern of
     the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K], any contents;
-    kernels.gate.select_hot_units): g_hot is written whole (the hot positives, zeros elsewhere) and the
+    kernels.bitmask.select_hot_units): g_hot is written whole (the hot positives, zeros elsewhere) and the
     hot positives are left out of the CSR.
     Exact sizes with one host sync, or `capacity` entry slots and no sync (the count comes back in
     `pending`; see the module doc). `static` (with a capacity; CUDA graph capture): nothing is read

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 import torch
-from bench_ffn import timed_layers, write_results
+from benchlib import timed_layers, write_results
 
 from twell.kernels import twell_gate
 from twell.kernels.inference import DECODE_SLOTS, DECODE_TILE_N

@@ -25,13 +25,26 @@ weight copies in one graph, as a captured decode step of a model holds its layer
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+from benchlib import (
+    CALIBRATION_ROWS,
+    ROW_TOLERANCE,
+    BadActivations,
+    kernel_times,
+    load_activations,
+    ordered_weights,
+    print_kernel_times,
+    row_errors,
+    synthetic_inputs,
+    timed,
+    timed_layers,
+    write_results,
+)
 
 from twell.kernels import twell_ffn_inference, twell_gate
-from twell.kernels.gate import count_fires, relu_gate_bits, twell_gate_hot
+from twell.kernels.gate import relu_gate_bits, twell_gate_hot
 from twell.kernels.inference import (
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,
@@ -41,100 +54,11 @@ from twell.kernels.inference import (
     _hot_part,
     decode_split,
     default_fused_tokens,
-    unit_order,
 )
 from twell.kernels.prefix import gated_up
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
-from twell.kernels.synthetic import paper_like_ffn_inputs
 
 GRAPH_MAX_TOKENS = 64
-CALIBRATION_ROWS = 4096  # untimed rows that order the units for --hot-prefix
-
-
-def write_results(path: str, rows: list[dict], **extra) -> None:
-    """The JSON every bench script writes: the GPU's name, one dict per measurement, and any extra
-    non-None sections (e.g. per-kernel profiles)."""
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    doc = {"device": device, "rows": rows}
-    doc.update({k: v for k, v in extra.items() if v is not None})
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {path}")
-
-
-def timed(fn, use_graph: bool, rep_ms: int) -> float:
-    """Median ms of fn() (triton.testing.do_bench), replayed from a CUDA graph for small batches."""
-    import triton
-
-    if use_graph:
-        return timed_layers(lambda _: fn(), 1, rep_ms)
-    return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
-
-
-def timed_layers(call, n_layers: int, rep_ms: int) -> float:
-    """Median ms per layer of one CUDA graph that holds `call(i)` for i = 0 .. n_layers - 1, each
-    layer on its own weights, as a captured decode step of a model holds its layers: the fixed cost
-    of launching a graph is shared by the layers instead of charged to one FFN, while every kernel
-    boundary inside the graph still counts. do_bench flushes L2 before each replay, and each layer's
-    weights are its own memory, so no layer reads another's from cache."""
-    import triton
-
-    for i in range(n_layers):  # compile / autotune outside the capture
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        call(0)
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(n_layers):
-                call(i)
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, rep=rep_ms, return_mode="median") / n_layers
-
-
-def kernel_times(fn) -> tuple[list[dict], float]:
-    """The GPU kernels one call of fn() launches, in launch order, with their times (torch.profiler),
-    and the wall ms of one unprofiled call from launch to synchronize (GPU time + launch gaps)."""
-    import time
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    walls = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        walls.append(1e3 * (time.perf_counter() - t0))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [
-        {"kernel": e.name, "us": e.time_range.elapsed_us(), "start": e.time_range.start}
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
-    kernels.sort(key=lambda k: k["start"])
-    return [{"kernel": k["kernel"], "us": k["us"]} for k in kernels], sorted(walls)[len(walls) // 2]
-
-
-def print_kernel_times(title: str, kernels: list[dict], wall_ms: float, min_us: float = 0.0) -> None:
-    total = sum(k["us"] for k in kernels)
-    print(
-        f"\n{title}: {len(kernels)} kernels, {total / 1e3:.3f} ms of GPU time, "
-        f"{wall_ms:.3f} ms wall (launch to synchronize, median of 5)"
-    )
-    for k in kernels:
-        if k["us"] >= min_us:
-            print(f"  {k['us']:8.1f} us  {k['kernel'][:90]}")
-
-
-def row_errors(y, x, w_gate, w_up, w_down) -> torch.Tensor:
-    ref = dense_ffn(*(t.float() for t in (x, w_gate, w_up, w_down)))
-    return (y.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-3)
 
 
 def gate_call(x, w_gate):
@@ -142,18 +66,6 @@ def gate_call(x, w_gate):
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return twell_gate(x, w_gate, tile_n=DECODE_TILE_N, slots=DECODE_SLOTS)
     return twell_gate(x, w_gate)
-
-
-def ordered_weights(cal, weights) -> tuple[torch.Tensor, tuple]:
-    """(calibrated_order on rows cal, the three weights permuted to it, contiguous)."""
-    order = calibrated_order(cal, weights[0])
-    return order, tuple(w[order].contiguous() for w in weights)
-
-
-def calibrated_order(cal: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
-    """Units by firing count on the calibration rows, most first (ties by index): the order a model's
-    units would be stored in for hot_prefix (a property of the weights, chosen once)."""
-    return unit_order(count_fires(relu_gate_bits(cal, w_gate)[1]))  # the kernels' own positives
 
 
 def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=None) -> list[dict]:
@@ -287,7 +199,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
                     dense_tflops=flops_dense / (dense_ms * 1e9),
                     overflow_rows=int(stats.overflow_rows),
                     max_row_rel_err=float(err.max()),
-                    correct=bool(err.max() < 1e-2),
+                    correct=bool(err.max() < ROW_TOLERANCE),
                 )
             )
         del pre
@@ -390,8 +302,6 @@ def main(argv=None):
         rows, profiles = [], []
         if args.activations:
             # The dump's loader (and its checks: keys, layouts, shapes, each error naming the fix).
-            from bench_train import BadActivations, load_activations
-
             try:
                 inputs = load_activations(args.activations, dtype=torch.bfloat16, device="cuda")
             except BadActivations as err:
@@ -407,9 +317,7 @@ def main(argv=None):
                         if (any(args.hot_prefix) and not decode) or (args.ordered and decode)
                         else 0
                     )
-                    inputs = paper_like_ffn_inputs(M + cal, args.d_model, F, device="cuda", seed=M + F)
-                    calibration = inputs[0][M:] if cal else None  # fresh rows of the same layer
-                    inputs = (inputs[0][:M].contiguous(), *inputs[1:])
+                    inputs, calibration = synthetic_inputs(M, args.d_model, F, cal)
                     new = bench_one(inputs, args, compiled, profiles, calibration)
                     print_table(new)
                     rows += new

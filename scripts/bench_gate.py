@@ -19,41 +19,36 @@ import argparse
 import sys
 
 import torch
-from bench_ffn import write_results
+from benchlib import median_ms, synthetic_inputs, write_results
 
-from twell.kernels.gate import (
+from twell.kernels.gate import default_slots, default_tile_n, launch_gate, set_gate_variant, twell_gate_hot
+from twell.kernels.gate_compact import (
+    _tuned_compact,
+    _tuned_compact_bits,
+    launch_compact,
+    launch_compact_bits,
+)
+from twell.kernels.gate_gemm import (
     _TUNED,
     PERSISTENT_CONFIGS,
     _launch_gemm,
     _regime,
-    _tuned_compact,
-    _tuned_compact_bits,
-    default_slots,
-    default_tile_n,
-    launch_compact,
-    launch_compact_bits,
-    launch_gate,
     launch_relu_bits_persistent,
-    set_gate_variant,
-    twell_gate_hot,
 )
-from twell.kernels.synthetic import paper_like_ffn_inputs
 
-VARIANTS = [  # (loads, persistent, epilogue, sub_n, path, format tile_n or None for the default, compact)
-    ("tma", False, "counts", None, None, None, None),
-    ("tma", False, "dense", None, None, None, None),
-    ("tma", False, "dense_bits", None, None, None, None),
-    ("tma", False, "twell", 128, "fused", None, None),
-    ("tma", False, "twell", None, "two_kernel", None, "scan"),
-    ("tma", False, "twell", None, "two_kernel", None, "bits"),
+VARIANTS = [  # (loads, epilogue, sub_n, path, format tile_n or None for the default, compact)
+    ("tma", "counts", None, None, None, None),
+    ("tma", "dense", None, None, None, None),
+    ("tma", "dense_bits", None, None, None, None),
+    ("tma", "twell", 128, "fused", None, None),
+    ("tma", "twell", None, "two_kernel", None, "scan"),
+    ("tma", "twell", None, "two_kernel", None, "bits"),
 ]
-QUICK_VARIANTS = [v for v in VARIANTS if v[4] != "fused" and v[2] != "counts"]
+QUICK_VARIANTS = [v for v in VARIANTS if v[3] != "fused" and v[1] != "counts"]
 
 
 def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
-    import triton
-
-    x, wg, _, _ = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
+    x, wg, _, _ = synthetic_inputs(M, D, F)[0]
     flop = 2.0 * M * D * F
     out = []
 
@@ -65,15 +60,12 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         )
         out.append(r)
 
-    row("cublas x@w.T", triton.testing.do_bench(lambda: x @ wg.T, rep=rep, return_mode="median"))
-    row(
-        "cublas relu(x@w.T)",
-        triton.testing.do_bench(lambda: torch.relu(x @ wg.T), rep=rep, return_mode="median"),
-    )
+    row("cublas x@w.T", median_ms(lambda: x @ wg.T, rep))
+    row("cublas relu(x@w.T)", median_ms(lambda: torch.relu(x @ wg.T), rep))
     buffers = {}
-    for loads, persistent, epi, sub_n, path, tn, compact in variants:
+    for loads, epi, sub_n, path, tn, compact in variants:
         tile_n = tn or default_tile_n(M, F)
-        if M <= 64 and (persistent or epi != "twell" or tn):
+        if M <= 64 and (epi != "twell" or tn):
             continue
         if tile_n not in buffers:
             buffers.clear()
@@ -91,16 +83,16 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         b = buffers[tile_n]
         if epi == "dense_bits":  # the bitmask goes where the counts would: [M, F // 32] int32
             b = (torch.empty((M, F // 32), dtype=torch.int32, device="cuda"),) + b[1:]
-        set_gate_variant(loads=loads, persistent=persistent, sub_n=sub_n, path=path, compact=compact)
+        set_gate_variant(loads=loads, sub_n=sub_n, path=path, compact=compact)
         fn = lambda e=epi, d=dense, t=tile_n, b=b: launch_gate(  # noqa: E731
             x, wg, b[0], b[1], b[2], t, b[3], epilogue=e, dense=d
         )
-        name = f"{loads}{'+pers' if persistent else ''} {epi if path != 'two_kernel' else 'two_kernel'}"
+        name = f"{loads} {epi if path != 'two_kernel' else 'two_kernel'}"
         name += f" {compact}" if compact else ""
         name += f" n{tile_n}" + (f" s{min(sub_n, tile_n)}" if epi == "twell" and path == "fused" else "")
         try:
             fn()
-            ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+            ms = median_ms(fn, rep)
         except Exception as e:  # a variant that does not compile here is a result, not a crash
             print(f"{M:>7} {F:>5} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
@@ -133,7 +125,7 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         if kind == "bits" and bits is None:
             continue
         fn()
-        ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+        ms = median_ms(fn, rep)
         gbs = gbs_full / ms
         row(f"compaction {kind} alone", ms, gbs=gbs, config=f"{gbs:.0f} GB/s(h) {tuned.best_config}")
     runs.clear()
@@ -142,7 +134,7 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
         for compact in ("scan", "bits"):
             set_gate_variant(compact=compact)
             twell_gate_hot(x, wg, K)
-            ms = triton.testing.do_bench(lambda K=K: twell_gate_hot(x, wg, K), rep=rep, return_mode="median")
+            ms = median_ms(lambda K=K: twell_gate_hot(x, wg, K), rep)
             row(f"two_kernel {compact} hot{K}", ms, hot_units=K, compact=compact)
     set_gate_variant()
     return out
@@ -165,9 +157,7 @@ SWEEP_CONFIGS = PERSISTENT_CONFIGS + [
 def bench_bits_gemm(M, D, F, rep) -> list[dict]:
     """The dense_bits GEMM (h = relu(x w^T) + positive bitmask): cuBLAS x @ w^T and relu for scale, the
     tile-per-program kernel (autotuned) and the persistent kernel per config and autotuned."""
-    import triton
-
-    x, wg, _, _ = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
+    x, wg, _, _ = synthetic_inputs(M, D, F)[0]
     flop = 2.0 * M * D * F
     tile_n = default_tile_n(M, F)
     h_ref = torch.empty((M, F), dtype=x.dtype, device="cuda")
@@ -179,7 +169,7 @@ def bench_bits_gemm(M, D, F, rep) -> list[dict]:
     def row(name, fn, **extra):
         try:
             fn()
-            ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+            ms = median_ms(fn, rep)
         except Exception as e:  # a config that does not compile or fit here is a result, not a crash
             print(f"{M:>7} {F:>5} {name:<44} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             return

@@ -16,13 +16,13 @@ row order (kernels.train_rowfwd.set_long_rows(False)); --limits sets the thresho
   row kernel's GPU time in one profiled call, and dense cuBLAS on the same inputs;
 * training (twell_ffn forward + backward with its L1 term, default hot units; 'long' counts rows past
   the threshold without the batch's hot units, as the op's CSR holds them): the step in one CUDA
-  graph (bench_train.py's graphed_step), and the forward row kernel and the dx kernel in one profiled
-  eager step.
+  graph (benchlib.graphed_step, as bench_train.py --cuda-graph), and the forward row kernel and the dx
+  kernel in one profiled eager step.
 
 Both settings must give the same bits (each row is summed by one program in entry order either way):
 'same' checks y (and for training dx) on vs off with torch.equal; every result is also checked against a
 float32 reference (inference per row < 1e-2; training: y and every gradient within 3x the dense bf16
-step's own error or 1e-2, bench_train.py's tolerance).
+step's own error or 1e-2, benchlib.within_tolerance as in bench_train.py).
 """
 
 from __future__ import annotations
@@ -31,27 +31,25 @@ import argparse
 import sys
 
 import torch
-from bench_ffn import (
-    CALIBRATION_ROWS,
-    calibrated_order,
-    kernel_times,
-    row_errors,
-    timed,
-    write_results,
-)
-from bench_train import (
-    _errors,
-    _step,
-    _twell_y_l1,
+from benchlib import (
+    ROW_TOLERANCE,
     dense_ffn_l1,
     graphed_step,
+    kernel_times,
+    ordered_inputs,
     prepare_step,
+    row_errors,
+    step_errors,
+    synthetic_inputs,
+    timed,
+    train_step,
+    twell_y_l1,
     within_tolerance,
+    write_results,
 )
 
 from twell.kernels import train_rowfwd, twell_ffn_inference
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
-from twell.kernels.synthetic import paper_like_ffn_inputs
 from twell.kernels.train import hot_units_for
 
 SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
@@ -74,10 +72,7 @@ def _long_count(x, w_gate, P: int = 0, hot: int = 0) -> int:
 
 
 def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
-    x, w_gate, w_up, w_down = paper_like_ffn_inputs(M + CALIBRATION_ROWS, D, F, device="cuda", seed=M + F)
-    x, cal = x[:M].contiguous(), x[M:]
-    order = calibrated_order(cal, w_gate)
-    w_gate, w_up, w_down = (w[order].contiguous() for w in (w_gate, w_up, w_down))
+    x, w_gate, w_up, w_down = ordered_inputs(M, D, F)
     row = dict(mode="inference", tokens=M, d_model=D, d_ff=F, prefix=P, long_rows=_long_count(x, w_gate, P))
     call = lambda: twell_ffn_inference(x, w_gate, w_up, w_down, hot_prefix=P)  # noqa: E731
     ys = {}
@@ -93,30 +88,30 @@ def bench_inference(M: int, P: int, D: int, F: int, rep: int) -> dict:
             finally:
                 train_rowfwd.set_long_rows(True)
     row["same"] = bool(torch.equal(ys["on"], ys["off"]))
-    row["ok"] = row["same"] and all(row[f"{s}_err"] < 1e-2 for s in SETTINGS)
+    row["ok"] = row["same"] and all(row[f"{s}_err"] < ROW_TOLERANCE for s in SETTINGS)
     return row
 
 
 def bench_train(M: int, D: int, F: int, rep: int) -> dict:
-    inputs = paper_like_ffn_inputs(M, D, F, device="cuda", seed=M + F)
+    inputs = synthetic_inputs(M, D, F)[0]
     hot = hot_units_for(M, F)
     row = dict(mode="train", tokens=M, d_model=D, d_ff=F, prefix=0, hot_units=hot)
     row["long_rows"] = _long_count(inputs[0], inputs[1], hot=hot)
     leaves, grad_y, ref = prepare_step(inputs)
-    dense = _errors(dense_ffn_l1, leaves, grad_y, ref)  # the dense bf16 step's own errors: the bar
+    dense = step_errors(dense_ffn_l1, leaves, grad_y, ref)  # the dense bf16 step's own errors: the bar
     got = {}
     for setting in SETTINGS:
         train_rowfwd.set_long_rows(setting == "on")
         try:
-            y = _step(_twell_y_l1, leaves, grad_y).detach().clone()
+            y = train_step(twell_y_l1, leaves, grad_y).detach().clone()
             got[setting] = (y, leaves[0].grad.clone())
-            g = graphed_step(_twell_y_l1, leaves, grad_y, ref, rep, twell=True)
+            g = graphed_step(twell_y_l1, leaves, grad_y, ref, rep, twell=True)
             row[f"{setting}_ms"] = g["graph_fwd_bwd_ms"]
             errs = {k.removeprefix("graph_"): v for k, v in g.items() if k.startswith("graph_err_")}
             row[f"{setting}_err"] = max(errs.values())
             row[f"{setting}_within"] = all(within_tolerance(v, dense[k]) for k, v in errs.items())
             row[f"{setting}_misses"] = g["graph_misses"]
-            kernels, _ = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
+            kernels, _ = kernel_times(lambda: train_step(twell_y_l1, leaves, grad_y))
             row[f"{setting}_row_kernel_us"] = _kernel_us(kernels, "_row_fwd_kernel")
             row[f"{setting}_dx_kernel_us"] = _kernel_us(kernels, "_row_dx_kernel")
         finally:

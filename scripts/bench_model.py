@@ -37,6 +37,7 @@ import math
 import time
 
 import torch
+from benchlib import write_results
 
 from twell.model import ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
@@ -460,8 +461,6 @@ def main(argv=None) -> list[dict]:
     bad = [r["variant"] for r in rows if r["max_row_err"] is not None and r["max_row_err"] > ROW_TOLERANCE]
     if bad:
         print(f"WARNING: hidden-state row error above {ROW_TOLERANCE} in {bad}")
-    from bench_ffn import write_results
-
     write_results(
         args.out,
         rows,

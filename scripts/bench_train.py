@@ -27,14 +27,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 
 import torch
 import triton
+from benchlib import (
+    SETTLE,
+    BadActivations,
+    dense_ffn_l1,
+    graphed_step,
+    kernel_times,
+    load_activations,
+    mark_ok,
+    prepare_step,
+    print_kernel_times,
+    within_tolerance,
+    write_results,
+)
+from benchlib import l1_grad as _l1_grad
+from benchlib import step_errors as _errors
+from benchlib import train_step as _step
+from benchlib import twell_y_l1 as _twell_y_l1
 
-from twell.kernels._common import check_ffn_args
 from twell.kernels.synthetic import paper_like_ffn_inputs
 from twell.kernels.train import (
     BACKWARD_VARIANTS,
@@ -47,125 +61,8 @@ from twell.kernels.train import (
     twell_ffn,
 )
 
-L1_COEF = 2e-5  # the paper's coefficient
 TRAIN_TOKENS = (16384, 65536)
-ACTIVATION_KEYS = ("x", "w_gate", "w_up", "w_down")  # what scripts/activity.py --dump-ffn-inputs writes
 SYNTHETIC = "synthetic"  # the `source` of rows on kernels/synthetic.py inputs
-DUMP_FIX = "write one with: python scripts/activity.py checkpoint=... --val-rows 8 --dump-ffn-inputs PATH"
-
-
-class BadActivations(ValueError):
-    """An --activations file that cannot be benchmarked; the message names the file and the fix."""
-
-
-def load_activations(
-    path, *, tokens: int | None = None, dtype: torch.dtype = torch.bfloat16, device="cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, D], w_gate, w_up, w_down [F, D] from a `scripts/activity.py --dump-ffn-inputs` file.
-
-    The dump holds the FFN's weights as the model stores them: w_gate and w_up in nn.Linear layout
-    [d_ff, d_model], w_down neuron-major [d_ff, d_model], which is exactly the layout twell_ffn and
-    dense_ffn_l1 take (y = h @ w_down), so nothing is transposed. `tokens` keeps the first N rows of x
-    (None: all of them). The four tensors come back contiguous, in `dtype` (the bench's bf16), on
-    `device`, and pass twell_ffn's argument checks; any problem raises BadActivations.
-    """
-    if not os.path.isfile(path):
-        raise BadActivations(f"--activations {path}: no such file; {DUMP_FIX}")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # any unreadable file gets the same advice
-        raise BadActivations(
-            f"--activations {path}: cannot read it with torch.load ({err}); {DUMP_FIX}"
-        ) from err
-    if not isinstance(blob, dict):
-        raise BadActivations(
-            f"--activations {path}: holds a {type(blob).__name__}, not a dict with keys {ACTIVATION_KEYS}; {DUMP_FIX}"
-        )
-    missing = [k for k in ACTIVATION_KEYS if not isinstance(blob.get(k), torch.Tensor)]
-    if missing:
-        raise BadActivations(
-            f"--activations {path}: no tensor under {missing} (it has keys {sorted(map(str, blob))}); "
-            f"the bench needs {list(ACTIVATION_KEYS)}; {DUMP_FIX}"
-        )
-    x, w_gate, w_up, w_down = (blob[k] for k in ACTIVATION_KEYS)
-    for name, t in zip(ACTIVATION_KEYS, (x, w_gate, w_up, w_down)):
-        if t.dim() != 2 or not t.is_floating_point():
-            raise BadActivations(
-                f"--activations {path}: {name} is a {t.dim()}-D {t.dtype} tensor of shape {tuple(t.shape)}; "
-                f"x must be [tokens, d_model] and the weights [d_ff, d_model], floating point; {DUMP_FIX}"
-            )
-    M, D = x.shape
-    F = w_gate.shape[0]
-    if w_gate.shape != (F, D) or w_up.shape != (F, D):
-        raise BadActivations(
-            f"--activations {path}: x is [{M}, {D}] but w_gate is {list(w_gate.shape)} and w_up "
-            f"{list(w_up.shape)}; both must be [d_ff, d_model={D}] (nn.Linear layout); {DUMP_FIX}"
-        )
-    if w_down.shape != (F, D):
-        hint = (
-            "it looks like nn.Linear's [d_model, d_ff] layout: store w_down.t().contiguous() (neuron-major)"
-            if w_down.shape == (D, F)
-            else DUMP_FIX
-        )
-        raise BadActivations(
-            f"--activations {path}: w_down is {list(w_down.shape)} but must be neuron-major [d_ff={F}, "
-            f"d_model={D}] like w_gate; {hint}"
-        )
-    if tokens is not None:
-        if not 1 <= tokens <= M:
-            raise BadActivations(
-                f"--activations {path}: --tokens {tokens} must be in 1..{M} (the dump's rows); "
-                "leave --tokens out to use every row"
-            )
-        x = x[:tokens]
-    out = tuple(t.to(device=device, dtype=dtype).contiguous() for t in (x, w_gate, w_up, w_down))
-    try:
-        check_ffn_args(*out)
-    except ValueError as err:
-        raise BadActivations(f"--activations {path}: {err}") from err
-    return out
-
-
-def dense_ffn_l1(x, w_gate, w_up, w_down):
-    """What a dense model layer runs: the FFN and its L1 term (mean over tokens of sum |h|).
-
-    The fp32 sum without an fp32 copy of h: abs() saves the h the down matmul saves anyway."""
-    h = torch.relu(x @ w_gate.T) * (x @ w_up.T)
-    return h @ w_down, h.abs().sum(dim=-1, dtype=torch.float32).mean()
-
-
-def _twell_y_l1(x, w_gate, w_up, w_down):
-    out = twell_ffn(x, w_gate, w_up, w_down)
-    return out.y, out.l1
-
-
-_L1_GRAD: dict = {}
-
-
-def _l1_grad(device) -> torch.Tensor:
-    """The L1 term's upstream gradient, made once per device: a per-step torch.tensor(..., device=cuda)
-    would be a host-to-device copy inside the timed step, which a training loop does not do."""
-    if device not in _L1_GRAD:
-        _L1_GRAD[device] = torch.tensor(L1_COEF, device=device)
-    return _L1_GRAD[device]
-
-
-# The open DeferredSizes of a row timed with --sizes deferred: each step settles it, as the trainer does.
-_SETTLE: list = [None]
-
-
-def _step(fn, leaves, grad_y) -> torch.Tensor:
-    """One forward + backward with fresh gradients (and, under deferred sizes, the step's settle: one
-    host sync, as in the trainer); returns y."""
-    for t in leaves:
-        t.grad = None
-    y, l1 = fn(*leaves)
-    torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
-    if _SETTLE[0] is not None and _SETTLE[0].settle():
-        raise RuntimeError(
-            "a deferred TwELL call missed its capacity in the benchmark (inputs do not change)"
-        )
-    return y
 
 
 def launches_per_step(fn, leaves, grad_y) -> int:
@@ -196,58 +93,14 @@ def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
         t1 = time.perf_counter()
         torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
         t2 = time.perf_counter()
-        if _SETTLE[0] is not None:
-            _SETTLE[0].settle()
+        if SETTLE[0] is not None:
+            SETTLE[0].settle()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         runs.append((1e3 * (t1 - t0), 1e3 * (t2 - t0), 1e3 * (t3 - t0)))
     runs = sorted(runs[1:], key=lambda r: r[2])
     fwd, bwd, done = runs[len(runs) // 2]
     return {"host_fwd_ms": fwd, "host_bwd_issued_ms": bwd, "gpu_done_ms": done}
-
-
-def graphed_step(fn, leaves, grad_y, ref, rep: int, twell: bool) -> dict:
-    """The step captured in one CUDA graph (what a training loop with whole-step graphs runs: no host
-    issue cost), timed by replaying it; also the replay's gradient errors against the fp32 reference
-    and, for TwELL, static_misses (calls whose fixed entry capacity did not hold: must be 0).
-    TwELL warms up at its static sizes first (the capture takes them; autotuning cannot run inside a
-    capture)."""
-    from twell.kernels.train import static_misses
-
-    device = leaves[0].device
-    if twell:
-        set_sizes("static")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Leaves first used on this side stream (as in PyTorch's whole-network capture recipe): their
-            # gradient accumulators must not belong to the legacy default stream, which a capture
-            # cannot wait on. TwELL's layer history follows w_gate, so the eager calls below make it.
-            leaves = [t.detach().clone().requires_grad_() for t in leaves]
-            for _ in range(3):
-                _step(fn, leaves, grad_y)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        for t in leaves:
-            t.grad = None
-        with torch.cuda.graph(graph):
-            y = _step(fn, leaves, grad_y)
-    finally:
-        set_sizes("estimate")
-    misses = static_misses(device)
-    misses.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    names = ("dx", "dw_gate", "dw_up", "dw_down")
-    errs = {f"graph_err_{n}": _rel(t.grad, ref[n]) for n, t in zip(names, leaves)}
-    errs["graph_err_y"] = _rel(y, ref["y"])
-    ms = triton.testing.do_bench(graph.replay, rep=rep, return_mode="median")
-    out = {"graph_fwd_bwd_ms": ms, "graph_misses": int(misses), **errs}
-    for t in leaves:
-        t.grad = None
-    del graph
-    return out
 
 
 def _saved_bytes(fn, leaves) -> int:
@@ -266,60 +119,8 @@ def _saved_bytes(fn, leaves) -> int:
     return total
 
 
-def _rel(a, b) -> float:
-    return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _errors(fn, leaves, grad_y, ref) -> dict:
-    _step(fn, leaves, grad_y)
-    with torch.no_grad():
-        y, _ = fn(*leaves)
-    names = ("dx", "dw_gate", "dw_up", "dw_down")
-    out = {"err_y": _rel(y, ref["y"])}
-    out.update({f"err_{n}": _rel(t.grad, ref[n]) for n, t in zip(names, leaves)})
-    return out
-
-
-def _reference(inputs, grad_y) -> dict:
-    leaves = [t.detach().float().requires_grad_() for t in inputs]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    _step(dense_ffn_l1, leaves, grad_y.float())
-    with torch.no_grad():
-        y, _ = dense_ffn_l1(*leaves)
-    ref = {"y": y}
-    ref.update({n: t.grad for n, t in zip(("dx", "dw_gate", "dw_up", "dw_down"), leaves)})
-    return ref
-
-
-def prepare_step(inputs) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
-    """What every timed step works on: leaf copies of the four inputs requiring grad, a random grad_y
-    [M, D] in x's dtype and device, and the fp32 reference of y and the four gradients."""
-    x = inputs[0]
-    grad_y = torch.randn(x.shape, device=x.device, dtype=x.dtype)
-    ref = _reference(inputs, grad_y)
-    leaves = [t.clone().requires_grad_() for t in inputs]
-    return leaves, grad_y, ref
-
-
-def within_tolerance(err: float, dense_err: float) -> bool:
-    """The benchmarks' bar for an output or gradient: within 3x the dense bf16 step's own error of it
-    (the rounding level) or 1e-2."""
-    return err <= max(3 * dense_err, 1e-2)
-
-
-def mark_ok(rows: list[dict]) -> None:
-    """`ok`: y and every gradient within_tolerance of the dense-bf16 error (rows[0] is the dense eager
-    row)."""
-    dense = rows[0]
-    for r in rows:
-        errs = [k for k in r if k.startswith("err_")]
-        r["ok"] = all(within_tolerance(r[k], dense[k]) for k in errs)
-
-
 def _profile(leaves, grad_y, variant: str, hot: int = 0) -> list[dict]:
     """GPU kernels of one TwELL step in launch order with their times: where the time goes."""
-    from bench_ffn import kernel_times, print_kernel_times
-
     set_backward_variant(variant)
     kernels, wall = kernel_times(lambda: _step(_twell_y_l1, leaves, grad_y))
     # the dozens of tiny glue kernels are summed in the total
@@ -384,8 +185,9 @@ def _bench_impl(name, fn, variant, leaves, grad_y, ref, args, source, rep) -> di
         saved_mb=_saved_bytes(dense_ffn_l1 if name == "dense_compiled" else fn, leaves) / 2**20,
         peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, **errors,
     )  # fmt: skip
-    # The compiled dense step too: Inductor's kernels capture. Not under deferred sizes (the settle syncs).
-    if getattr(args, "cuda_graph", False) and _SETTLE[0] is None:
+    if (
+        getattr(args, "cuda_graph", False) and SETTLE[0] is None
+    ):  # (the settle would sync a capture)  # the compiled dense step too: Inductor's kernels capture
         row.update(graphed_step(fn, leaves, grad_y, ref, rep, twell=bool(variant)))
     if variant:
         out = twell_ffn(*leaves)
@@ -447,8 +249,8 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
                 set_sizes("estimate" if size_mode == "deferred" else size_mode)
                 set_streams(stream_mode == "on")
                 if size_mode == "deferred":
-                    _SETTLE[0] = row_scope.enter_context(deferred_sizes())
-                    row_scope.callback(_SETTLE.__setitem__, 0, None)
+                    SETTLE[0] = row_scope.enter_context(deferred_sizes())
+                    row_scope.callback(SETTLE.__setitem__, 0, None)
             rows.append(_bench_impl(name, fn, variant, leaves, grad_y, ref, args, source, rep))
 
     set_backward_variant("auto")
@@ -569,14 +371,8 @@ def run_train_bench(args) -> list[dict]:
 
 
 def _write_json(path: str, rows: list[dict], args) -> None:
-    blob = {
-        "device": torch.cuda.get_device_name(),
-        "source": getattr(args, "activations", None) or SYNTHETIC,
-        "rows": rows,
-        "profiles": getattr(args, "profiles", []),
-    }
-    with open(path, "w") as f:
-        json.dump(blob, f, indent=1)
+    source = getattr(args, "activations", None) or SYNTHETIC
+    write_results(path, rows, quiet=True, source=source, profiles=getattr(args, "profiles", []))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """scripts/bench_train.py --activations: a dump written as `scripts/activity.py --dump-ffn-inputs` writes
 it (eval.activity.dump_ffn_inputs on a tiny model) loads with the dump's shapes, in the layout twell_ffn
 takes, and passes the bench's correctness check on CPU (Triton interpreter); bad files fail naming the
-file and the fix. The timed run itself needs a GPU."""
+file and the fix. The loader and the check live in scripts/benchlib.py, which bench_ffn.py shares. The
+timed run itself needs a GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 import bench_train  # scripts/, on sys.path through tests/conftest.py
+import benchlib
 import pytest
 import torch
 
@@ -53,17 +55,17 @@ def test_loads_the_dump_with_its_shapes_and_layout(dump):
     path, y_model, ffn = dump
     blob = torch.load(path)
     assert blob["tokens"] == M and blob["x"].shape == (M, D)  # extra keys (layer, tokens) are ignored
-    x, w_gate, w_up, w_down = bench_train.load_activations(path, dtype=torch.float32)
+    x, w_gate, w_up, w_down = benchlib.load_activations(path, dtype=torch.float32)
     assert x.shape == (M, D) and all(w.shape == (F, D) for w in (w_gate, w_up, w_down))
     assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (x, w_gate, w_up, w_down))
     # No transpose: the dump's w_down is neuron-major [F, D], as the model stores it and twell_ffn takes it.
     assert torch.equal(w_down, ffn.w_down.detach()) and torch.equal(w_up, ffn.w_up.detach())
-    y, _ = bench_train.dense_ffn_l1(x, w_gate, w_up, w_down)
+    y, _ = benchlib.dense_ffn_l1(x, w_gate, w_up, w_down)
     torch.testing.assert_close(y, y_model, rtol=1e-5, atol=1e-6)
 
-    bf16 = bench_train.load_activations(path)  # the bench's default: bf16, as the synthetic inputs
+    bf16 = benchlib.load_activations(path)  # the bench's default: bf16, as the synthetic inputs
     assert all(t.dtype == torch.bfloat16 for t in bf16)
-    first = bench_train.load_activations(path, tokens=16, dtype=torch.float32)
+    first = benchlib.load_activations(path, tokens=16, dtype=torch.float32)
     assert first[0].shape == (16, D) and torch.equal(first[0], x[:16])
     assert all(torch.equal(a, b) for a, b in zip(first[1:], (w_gate, w_up, w_down)))
 
@@ -81,21 +83,21 @@ def test_correctness_check_passes_on_the_dump(dump, keep_tf32_flag):
     """What bench_inputs does before timing: leaves requiring grad, grad_y, the fp32 reference, then
     the errors of dense eager and every TwELL backward variant and the `ok` verdict."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    inputs = bench_train.load_activations(dump[0], dtype=dtype, device=DEVICE)
+    inputs = benchlib.load_activations(dump[0], dtype=dtype, device=DEVICE)
     out = twell_ffn(*inputs)  # sparse rows (the training CSR holds every positive: no overflow path)
     assert 1 < out.row_active.float().mean() < F / 8 and int(out.overflow_rows) == 0
-    leaves, grad_y, ref = bench_train.prepare_step(inputs)
+    leaves, grad_y, ref = benchlib.prepare_step(inputs)
     assert all(t.is_leaf and t.requires_grad and t.dtype == dtype for t in leaves)
     assert grad_y.shape == (M, D) and grad_y.dtype == dtype and not grad_y.requires_grad
-    rows = [{"impl": "dense_eager", **bench_train._errors(bench_train.dense_ffn_l1, leaves, grad_y, ref)}]
+    rows = [{"impl": "dense_eager", **benchlib.step_errors(benchlib.dense_ffn_l1, leaves, grad_y, ref)}]
     try:
         for variant in BACKWARD_VARIANTS:
             set_backward_variant(variant)
-            errors = bench_train._errors(bench_train._twell_y_l1, leaves, grad_y, ref)
+            errors = benchlib.step_errors(benchlib.twell_y_l1, leaves, grad_y, ref)
             rows.append({"impl": f"twell_{variant}", **errors})
     finally:
         set_backward_variant("auto")
-    bench_train.mark_ok(rows)
+    benchlib.mark_ok(rows)
     assert all(r["ok"] for r in rows), rows
     if dtype == torch.float32:
         assert all(v < 1e-4 for r in rows for k, v in r.items() if k.startswith("err_")), rows
@@ -127,26 +129,26 @@ def _good(**change):
 )  # fmt: skip
 def test_bad_dump_names_the_file_and_the_fix(tmp_path, change, message):
     path = _save(tmp_path, **_good(**change))
-    with pytest.raises(bench_train.BadActivations, match=message) as err:
-        bench_train.load_activations(path)
+    with pytest.raises(benchlib.BadActivations, match=message) as err:
+        benchlib.load_activations(path)
     assert str(path) in str(err.value)
 
 
 def test_missing_file_unreadable_file_and_too_many_tokens(tmp_path):
     missing = tmp_path / "nope.pt"
-    with pytest.raises(bench_train.BadActivations, match=r"nope\.pt: no such file.*--dump-ffn-inputs"):
-        bench_train.load_activations(missing)
+    with pytest.raises(benchlib.BadActivations, match=r"nope\.pt: no such file.*--dump-ffn-inputs"):
+        benchlib.load_activations(missing)
     junk = tmp_path / "junk.pt"
     junk.write_text("not a torch file")
-    with pytest.raises(bench_train.BadActivations, match=r"junk\.pt: cannot read it with torch\.load"):
-        bench_train.load_activations(junk)
+    with pytest.raises(benchlib.BadActivations, match=r"junk\.pt: cannot read it with torch\.load"):
+        benchlib.load_activations(junk)
     listed = tmp_path / "list.pt"
     torch.save([torch.zeros(2)], listed)
-    with pytest.raises(bench_train.BadActivations, match=r"list\.pt: holds a list, not a dict"):
-        bench_train.load_activations(listed)
+    with pytest.raises(benchlib.BadActivations, match=r"list\.pt: holds a list, not a dict"):
+        benchlib.load_activations(listed)
     path = _save(tmp_path, **_good())
-    with pytest.raises(bench_train.BadActivations, match=r"--tokens 41 must be in 1\.\.40"):
-        bench_train.load_activations(path, tokens=M + 1)
+    with pytest.raises(benchlib.BadActivations, match=r"--tokens 41 must be in 1\.\.40"):
+        benchlib.load_activations(path, tokens=M + 1)
 
 
 def test_main_reports_a_bad_file_before_asking_for_a_gpu(tmp_path, capsys):

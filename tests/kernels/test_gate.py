@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from twell.kernels import twell_gate
-from twell.kernels.gate import count_fires, select_hot_units, set_gate_variant, twell_gate_hot
+from twell.kernels.bitmask import count_fires, pack_positive_bits, select_hot_units
+from twell.kernels.gate import relu_gate_bits, set_gate_variant, twell_gate_hot
+from twell.kernels.gate_gemm import launch_relu_bits_persistent
 from twell.kernels.synthetic import make_rows_dense, make_units_always_active, paper_like_ffn_inputs
 
 
@@ -125,8 +127,6 @@ def test_gate_format_at_paper_size():
 def test_count_fires_at_paper_size(M):
     """count_fires on the GPU: every unit's count equals the positives of h, at the paper's width, for a
     whole and a ragged batch, call after call."""
-    from twell.kernels.gate import relu_gate_bits
-
     x, wg, _, _ = paper_like_ffn_inputs(M, 2048, 5632, device="cuda", seed=M)
     make_rows_dense(x, [M // 2])
     h, bits = relu_gate_bits(x, wg)
@@ -202,8 +202,6 @@ def test_count_fires_counts_every_set_bit(M, W, full, poisoned_empty):
 def test_persistent_relu_bits_gemm_matches_torch(M, D, F, dtype, poisoned_empty):
     """The persistent dense_bits GEMM (several tiles per program, partial row and column tiles, TMA
     stores) writes relu(x w^T) and exactly its positive bitmask, also through relu_gate_bits."""
-    from twell.kernels.gate import launch_relu_bits_persistent, pack_positive_bits, relu_gate_bits
-
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, _, _ = paper_like_ffn_inputs(M, D, F, mean_active=F / 20, dtype=dtype, seed=seed)
     make_rows_dense(x, [M // 3])

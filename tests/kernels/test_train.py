@@ -324,7 +324,7 @@ def test_work_list_kernel_matches_the_torch_build(monkeypatch):
 
 def _random_gate(M, F, gen, density=0.05):
     """h (fp32 [M, F], zeros where not positive) with a few dense and silent rows, and its bitmask."""
-    from twell.kernels.gate import pack_positive_bits
+    from twell.kernels.bitmask import pack_positive_bits
 
     h = torch.rand(M, F, generator=gen) + 0.5
     keep = torch.rand(M, F, generator=gen) < density
@@ -351,7 +351,7 @@ def _torch_pattern(h, hot_idx=None):
 def test_build_pattern_matches_a_torch_build_over_many_programs(hot):
     """The row scan (row_active, row_ptr, the entry total by atomics over many programs), the CSR and
     the hot split against the same quantities built with torch ops, dense and silent rows included."""
-    from twell.kernels.gate import pack_positive_bits, select_hot_units
+    from twell.kernels.bitmask import pack_positive_bits, select_hot_units
     from twell.kernels.train_format import build_pattern
 
     M, F = 300, 320
@@ -387,7 +387,7 @@ def _assert_long_rows(pat):
 
 
 def test_pack_positive_bits_sets_bit_31():
-    from twell.kernels.gate import pack_positive_bits
+    from twell.kernels.bitmask import pack_positive_bits
 
     h = torch.zeros(2, 64)
     h[0, 31] = h[0, 32] = h[1, 0] = 1.0

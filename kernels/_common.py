@@ -6,6 +6,7 @@ import operator
 import os
 
 import torch
+import triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -136,3 +137,11 @@ def check_kernel_device(x: torch.Tensor) -> None:
         f"x is on {x.device}; the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU "
         "(set before importing triton). Use kernels.reference.relu_ffn on other devices."
     )
+
+
+def autotune(configs, key, **kwargs):
+    """triton.autotune whose choices are also kept on disk (in Triton's cache, keyed by the kernel's
+    source, the GPU and the key values): a later process, a resumed run or the second twin of a race,
+    starts with the tuned configurations instead of timing every candidate again mid-run. Not under the
+    interpreter, whose timings mean nothing."""
+    return triton.autotune(configs=configs, key=key, cache_results=not interpreting(), **kwargs)

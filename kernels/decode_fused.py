@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
+from ._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
 from .gate_gemm import gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
@@ -147,7 +147,7 @@ def _fused_configs() -> list[triton.Config]:
     ]
 
 
-_tuned_fused = triton.autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA"])(
+_tuned_fused = autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA"])(
     _fused_decode_kernel
 )
 

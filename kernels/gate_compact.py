@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreting, next_pow2
+from ._common import autotune, cdiv, interpreting, next_pow2
 from .bitmask import _popc32, load_bit_words
 
 
@@ -94,9 +94,9 @@ def _compact_configs() -> list[triton.Config]:
     return [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((16, 4), (32, 8), (8, 4), (32, 4))]
 
 
-_tuned_compact = triton.autotune(
-    configs=_compact_configs(), key=["M_BUCKET", "F", "T", "SLOTS", "TILE_N", "HOT"]
-)(_compact_dense_kernel)
+_tuned_compact = autotune(configs=_compact_configs(), key=["M_BUCKET", "F", "T", "SLOTS", "TILE_N", "HOT"])(
+    _compact_dense_kernel
+)
 
 
 def launch_compact(h, counts, cols, vals, tile_n, slots, hot_pos=None, g_hot=None) -> None:
@@ -228,7 +228,7 @@ def _compact_bits_configs() -> list[triton.Config]:
     return [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))]
 
 
-_tuned_compact_bits = triton.autotune(
+_tuned_compact_bits = autotune(
     configs=_compact_bits_configs(), key=["M_BUCKET", "F", "T", "SLOTS", "WPT", "HOT"]
 )(_compact_bits_kernel)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, dot_in_fp32, dot_precision, interpreting, next_pow2
+from ._common import autotune, cdiv, dot_in_fp32, dot_precision, interpreting, next_pow2
 from .bitmask import _bit_or
 from .gate_compact import _compact_chunk, _off32
 
@@ -250,7 +250,7 @@ _TUNED: dict[tuple, object] = {}
 
 def _tuned_kernel(regime: str):
     if regime not in _TUNED:
-        _TUNED[regime] = triton.autotune(
+        _TUNED[regime] = autotune(
             configs=_configs(regime),
             key=["M_BUCKET", "F", "D", "BLOCK_N", "SUB_N", "SLOTS", "TMA", "EPILOGUE"],
         )(_twell_gate_kernel)
@@ -457,7 +457,7 @@ def launch_relu_bits_persistent(x, w, h, bits, config=None) -> None:
         )
         return
     if "k" not in _persistent_tuned:
-        _persistent_tuned["k"] = triton.autotune(
+        _persistent_tuned["k"] = autotune(
             configs=[_persistent_config(c) for c in PERSISTENT_CONFIGS], key=["M_BUCKET", "F", "D"]
         )(_relu_bits_persistent_kernel)
     _persistent_tuned["k"][grid](*descs, bits, M, F, min(next_pow2(M), 1 << 17), **common)

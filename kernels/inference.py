@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    autotune,
     check_ffn_args,
     check_hot_prefix,
     check_hot_units,
@@ -243,7 +244,7 @@ def _consumer_configs() -> list[triton.Config]:
     return [triton.Config({"CHUNK": ch}, num_warps=w) for ch, w in ((8, 8), (16, 8), (8, 4), (4, 4))]
 
 
-_tuned_consumer = triton.autotune(configs=_consumer_configs(), key=["M_BUCKET", "D", "T", "SLOTS", "HOT"])(
+_tuned_consumer = autotune(configs=_consumer_configs(), key=["M_BUCKET", "D", "T", "SLOTS", "HOT"])(
     _row_consumer_kernel
 )
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
+from ._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
 from .gate_gemm import _gate_tile_tma, _grouped_tile, gate_tile_preact
 
 
@@ -76,8 +76,8 @@ _CONFIGS, _TMA_CONFIGS = (
     _configs(),
     _configs(_set_blocks),
 )  # built once: the launcher reads the first's blocks
-_tuned = triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
-_tuned_tma = triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "P", "D"])(_gated_up_tma_kernel)
+_tuned = autotune(configs=_CONFIGS, key=["M_BUCKET", "P", "F", "D"])(_gated_up_kernel)
+_tuned_tma = autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "P", "D"])(_gated_up_tma_kernel)
 _loads = {"loads": None}
 
 

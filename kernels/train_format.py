@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, next_pow2
+from ._common import autotune, interpreting, next_pow2
 from .bitmask import _popc32, load_bit_words, select_hot_units
 from .gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
@@ -155,7 +155,7 @@ def _emit_entries(
 
 # ROWS x W_PAD (256 at d_ff 5632) words per program; the work per word is ~15 ops per iteration. The
 # configs of the TwELL compaction this replaced (kernels/gate_compact.py, _compact_bits_kernel).
-_tuned_compact_csr = triton.autotune(
+_tuned_compact_csr = autotune(
     configs=[triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (4, 2), (16, 8))],
     key=["M_BUCKET", "F", "HOT"],
     reset_to_zero=["long_count_ptr"],  # each timed run appends the long rows again

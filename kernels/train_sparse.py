@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from ._common import autotune, interpreting
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
 ONE = 0  # out0 = sum c0 * src0[g]                              (dW_down alone)
@@ -51,7 +51,7 @@ def _tuned(configs, key):
             return triton.heuristics({name: (lambda _a, v=v: v) for name, v in configs[0].kwargs.items()})(
                 kernel
             )
-        return triton.autotune(configs=configs, key=key)(kernel)
+        return autotune(configs=configs, key=key)(kernel)
 
     return wrap
 

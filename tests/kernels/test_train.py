@@ -708,7 +708,7 @@ def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, m
         assert not sizes.settle() and not sizes.calls
         check(out, grads)
         assert torch.equal(out2.y, out.y)
-        assert kt._capacities[weights[0]][(M, hot)] == kt._with_margin(entries) == capacity
+        assert kt._capacities[weights[0]][(M, hot)] == kt._deferred_capacity(entries) == capacity
 
         dense_x = x.clone()
         make_rows_dense(dense_x, list(range(0, M, 2)))  # far more entries than the capacity holds
@@ -764,7 +764,8 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
     seen = []  # (capacity, static) of each forward pass
     real = kt._forward
     kt._forward = lambda *a, **k: seen.append((a[5], k.get("static", False))) or real(*a, **k)
-    denser = _inputs(M, D, F, torch.float32, mean_active=24.0)[0]
+    denser = x.clone()
+    make_rows_dense(denser, list(range(M)))  # every unit on every row: past the deferred margin
     try:
         with kt.deferred_sizes() as sizes:
             outcomes = []

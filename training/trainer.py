@@ -522,20 +522,26 @@ class Trainer:
         """Forward and backward of the step's micro-batches (gradients accumulate in .grad); returns
         (ce, l1, stats) of each. With sparse FFNs and train.twell_sizes=deferred, no TwELL layer waits
         for the GPU: their entry counts are checked once, after the last backward (one host sync, reduced
-        over ranks), and a step in which a layer's entries outgrew its capacity is redone with exact
-        sizes before anything is applied (`twell_redos` counts them)."""
+        over ranks), and a step in which a layer's entries outgrew its capacity is redone before anything
+        is applied (`twell_redos` counts them): at the capacities that settle sized from this very step's
+        counts (so the redo keeps the deferred margin for the steps after it), then, should that miss
+        too, with every call sized exactly."""
         if self._kt is None:
             return self._run_micro_batches(batches, l1_coef)
         kept = []  # the micro-batches as they are drawn: a redo needs them again
+        reduce = (lambda flag: all_reduce_(flag, op=dist.ReduceOp.MAX)) if self.info.enabled else None
         with self._kt.deferred_sizes() as sizes:
             results = self._run_micro_batches((kept.append(b) or b for b in batches), l1_coef)
-            reduce = (lambda flag: all_reduce_(flag, op=dist.ReduceOp.MAX)) if self.info.enabled else None
-            missed = sizes.settle(reduce=reduce, device=self.device)
-        if not missed:
-            return results
-        self.twell_redos += 1
+            if not sizes.settle(reduce=reduce, device=self.device):
+                return results
+            self.twell_redos += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            results = self._run_micro_batches(kept, l1_coef)
+            if not sizes.settle(reduce=reduce, device=self.device):
+                return results
+        # Missed again (counts that differ between two passes over the same batches): sized exactly.
         self.optimizer.zero_grad(set_to_none=True)
-        return self._run_micro_batches(kept, l1_coef)  # capacities now fit these very batches
+        return self._run_micro_batches(kept, l1_coef)
 
     def _run_micro_batches(self, batches, l1_coef) -> list:
         results = []

@@ -77,7 +77,12 @@ def fsdp_block_reshards(n_blocks: int, setting: str) -> list[bool]:
 
 
 def shard_model(
-    model: nn.Module, device: torch.device, *, bf16: bool, reshard_after_forward: str = "auto", prefetch: int = 1
+    model: nn.Module,
+    device: torch.device,
+    *,
+    bf16: bool,
+    reshard_after_forward: str = "auto",
+    prefetch: int = 1,
 ) -> None:
     """FSDP2 (`fully_shard`) over all ranks, one rank included: each transformer block is one shard
     group, then the root (token embedding, which is also the tied output head, and the final norm) is

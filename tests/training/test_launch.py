@@ -52,3 +52,20 @@ def test_slurm_runs_one_torchrun_per_node_meeting_at_the_first_node():
     assert args.training_script == "train.py" and args.training_script_args == OVERRIDES
     header = (LAUNCH / "slurm.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1" in header and "NCCL_SOCKET_IFNAME" in header
+
+
+def test_bench_fsdp_summarizes_steady_speed_against_plain():
+    """scripts/bench_fsdp.py (the one-GPU FSDP2 check): the steady speed is the median window after the
+    settle steps, and the table puts each run against plain."""
+    import bench_fsdp
+
+    records = [
+        {"step": s, "tokens_per_s": tps, "peak_mem_gib": 1.0, "loss": 5.0}
+        for s, tps in [(5, 10.0), (10, 100.0), (15, 200.0), (20, 220.0), (25, 210.0)]
+    ]
+    plain = bench_fsdp.summarize(records, settle=10, wall_s=60.0)
+    assert plain["steady_tokens_per_s"] == 210.0
+    fsdp = {**plain, "steady_tokens_per_s": 205.8}
+    result = {"runs": {"dense": {"plain": plain, "fsdp": fsdp}}, "model": "0.5b", "steps": 25}
+    text = bench_fsdp.table({**result, "commit": "abc", "machine": "GPU"})
+    assert "| dense | fsdp | 206 | 0.980x |" in text

@@ -105,6 +105,13 @@ class TrainConfig:
     # parameters, gradients and AdamW moments sharded over the ranks). One process trains the
     # plain model either way.
     parallel: str = "ddp"
+    # fsdp only. Free each block's gathered parameters after its forward (gather again for the backward):
+    # auto (every block but the last, which the backward needs first) | true (every block: least
+    # memory) | false (none: one gather per micro-batch, a replica's bf16 parameters held)
+    fsdp_reshard_after_forward: str = "auto"
+    # fsdp only: blocks whose all-gather a block issues ahead of its own compute (forward: the next
+    # ones, backward: the previous ones); 0 leaves it to FSDP2's implicit prefetch
+    fsdp_prefetch: int = 1
 
     def __post_init__(self):
         _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
@@ -115,21 +122,52 @@ class TrainConfig:
         self.activation_checkpointing = _auto_bool(
             "train.activation_checkpointing", self.activation_checkpointing
         )
+        self.fsdp_reshard_after_forward = _auto_bool(
+            "train.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward
+        )
+        _positive("train.fsdp_prefetch", self.fsdp_prefetch, allow_zero=True)
         for name in ("global_batch_tokens", "micro_batch", "seq_len", "steps"):
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
         _positive("train.peak_flops", self.peak_flops, allow_zero=True)
-        if self.cuda_graph and "true" in (self.compile, self.activation_checkpointing):
-            other = "train.compile" if self.compile == "true" else "train.activation_checkpointing"
-            raise ValueError(
-                f"train.cuda_graph=true does not combine with {other}=true; turn one of them off"
-            )
+        self._refuse_what_cannot_work()
         rows = self.micro_batch * self.seq_len
         if self.global_batch_tokens % rows:
             raise ValueError(
                 f"train.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
                 f"micro_batch * seq_len = {self.micro_batch} * {self.seq_len} = {rows}; "
                 f"pick a global batch of k * {rows} tokens"
+            )
+
+    def _refuse_what_cannot_work(self) -> None:
+        """Combinations no run can take, refused before anything is built, naming the one that works."""
+        if not self.cuda_graph:
+            return
+        if self.parallel == "fsdp":
+            raise ValueError(
+                "train.cuda_graph=true does not combine with train.parallel=fsdp: FSDP2's parameter gathers "
+                "and gradient reduce-scatters cannot be captured. Set train.parallel=ddp (the graph holds the "
+                "plain model and DDP averages the gradients after the replays), or keep fsdp with "
+                "train.cuda_graph=false and train.compile=auto (each block compiled)"
+            )
+        if self.compile == "true":
+            raise ValueError(
+                "train.cuda_graph=true does not combine with train.compile=true: the step's capture "
+                "(training/cuda_graph.py) holds eager blocks. Set train.compile=false to replay the step from "
+                "a CUDA graph, or train.cuda_graph=false to compile each block (the faster one at the "
+                "paper's sizes, docs/TRAINING.md)"
+            )
+        if self.activation_checkpointing == "true":
+            raise ValueError(
+                "train.cuda_graph=true does not combine with train.activation_checkpointing=true: the "
+                "step's capture holds no recomputation in the backward. Set train.activation_checkpointing=auto (off "
+                "under a graph) or false, with a smaller train.micro_batch if the step does not fit "
+                "(python scripts/plan_memory.py), or train.cuda_graph=false"
+            )
+        if self.device == "cpu":
+            raise ValueError(
+                "train.cuda_graph=true needs a CUDA device, but train.device=cpu; set train.cuda_graph=false "
+                "or train.device=auto on a GPU machine"
             )
 
     def grad_accum(self, world_size: int) -> int:

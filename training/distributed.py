@@ -56,25 +56,72 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def shard_model(model: nn.Module, device: torch.device) -> None:
-    """FSDP2 (`fully_shard`) over all ranks: each transformer block is one shard group, then the root
-    (token embedding, which is also the tied output head, and the final norm) is one more.
+def _one_rank_group(device: torch.device) -> None:
+    """A process group of this process alone (an in-memory store: no rendezvous, no port), so FSDP2
+    can shard over a one-rank mesh when train.parallel=fsdp runs without torchrun."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def fsdp_block_reshards(n_blocks: int, setting: str) -> list[bool]:
+    """Per block, whether FSDP2 frees its gathered parameters after the forward (train.fsdp_reshard_after_forward):
+    true, every block (least memory: each block is gathered again for its backward); false, none (one
+    gather per micro-batch; every block's gathered parameters are held from its forward to its backward);
+    auto, every block but the last, which the backward needs first: gathering it again would follow at once."""
+    if setting == "auto":
+        return [index < n_blocks - 1 for index in range(n_blocks)]
+    return [setting == "true"] * n_blocks
+
+
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    bf16: bool,
+    reshard_after_forward: str = "auto",
+    prefetch: int = 1,
+) -> None:
+    """FSDP2 (`fully_shard`) over all ranks, one rank included: each transformer block is one shard
+    group, then the root (token embedding, which is also the tied output head, and the final norm) is
+    one more.
 
     Call after the per-block wrappers (activation checkpointing, torch.compile), with `model.layers`
-    holding the wrapped blocks, and before the optimizer is built: the parameters become DTensors
-    sharded on dim 0 and the module classes change in place (names and state-dict keys do not).
-    No MixedPrecisionPolicy: the fp32 parameters are gathered as they are and the trainer's bf16
-    autocast casts inside each op, as under DDP, so the numbers match DDP's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    holding the wrapped blocks, and before the optimizer is built: the parameters become fp32 DTensors
+    sharded on dim 0 (the master weights; AdamW's moments follow them) and the module classes change in
+    place (names and state-dict keys do not).
 
+    bf16 (train.precision=bf16): the blocks' parameters are gathered and computed in bf16 and their
+    gradients reduce-scattered (and accumulated over micro-batches) in fp32 (MixedPrecisionPolicy). A
+    block's inputs are not cast: the residual stream stays fp32 as under DDP's autocast, and the root
+    keeps fp32 parameters for the same reason (a bf16 embedding would make the whole stream bf16; its use
+    as the output head is cast to bf16 by autocast, as under DDP). Otherwise fp32 throughout.
+
+    prefetch: each block issues the all-gather of the next `prefetch` blocks at the start of its forward
+    (and of the `prefetch` blocks before it in the backward), so a host sync inside a block (the TwELL
+    op's exact-size calls) cannot delay the next gather; 0 leaves FSDP2's implicit prefetch alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _one_rank_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if bf16:
+        block_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    else:
+        block_policy = MixedPrecisionPolicy()
     blocks = list(model.layers)
-    for index, block in enumerate(blocks):
-        # The last block runs first in the backward pass: resharding it after the forward would
-        # only gather it again at once.
-        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh)
+    for block, reshard in zip(blocks, fsdp_block_reshards(len(blocks), reshard_after_forward)):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
+    fully_shard(model, mesh=mesh)  # fp32 parameters, fp32 reduction
+    if prefetch:
+        model.set_modules_to_forward_prefetch(blocks[:prefetch])
+        for index, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch) : index][::-1])
 
 
 def barrier() -> None:

@@ -5,9 +5,10 @@ all-reduces / FSDP2 reduce-scatters gradients only on the last micro-batch) -> c
 norm -> AdamW -> dead-unit re-init -> metrics on the log cadence -> evaluations / checkpoint on
 theirs. With train.cuda_graph the micro-batches are replayed from a CUDA graph (training/cuda_graph.py).
 
-Data parallelism (train.parallel, with more than one process): ddp wraps the model in
-DistributedDataParallel; fsdp shards it in place with FSDP2 (`fully_shard` per block, then the
-root), so parameters, gradients and AdamW moments are DTensors. One process trains the plain model.
+Data parallelism (train.parallel): ddp wraps the model in DistributedDataParallel when there is more
+than one process (one process trains the plain model); fsdp shards it in place with FSDP2
+(`fully_shard` per block, then the root; one process included), so parameters, gradients and AdamW
+moments are DTensors, gathered in bf16 under bf16 precision (training/distributed.py).
 
 Evaluations (validation loss / bits per byte, an lm-eval subset) are `Evaluator`s built by train.py
 from eval/'s public API and handed in: this package never imports eval/.
@@ -213,18 +214,18 @@ class Trainer:
         # The FFNs are collected before wrapping, which may hide the blocks behind a wrapper; their
         # gate weights are read at each re-init, since fully_shard replaces the parameters.
         self.ffns = [block.ffn for block in self.model.layers]
-        self.sharded = tcfg.parallel == "fsdp" and info.enabled
+        self.sharded = tcfg.parallel == "fsdp"  # FSDP2 over every process, one included
         self.checkpoint_blocks, self.compile_blocks = resolve_block_wrappers(
             job, self.device, info.world_size, self.sharded
         )
         apply_block_wrappers(self.model, self.checkpoint_blocks, self.compile_blocks)
-        if tcfg.parallel == "fsdp" and not info.enabled:
-            # As torchtitan: FSDP is applied only when there is more than one rank to shard over.
-            log.info("train.parallel=fsdp with one process: nothing to shard, training the plain model")
         self.forward_model = self.model
         self._graph_stream = None  # DDP under CUDA graphs: the stream DDP is built and captured on
         if self.sharded:
-            shard_model(self.model, self.device)  # wrappers first, then fully_shard (as torchtitan)
+            shard_model(  # wrappers first, then fully_shard (as torchtitan)
+                self.model, self.device, bf16=self.precision == "bf16",
+                reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
+            )  # fmt: skip
         elif info.enabled:
             if tcfg.cuda_graph:
                 # DDP keeps each parameter's gradient accumulator alive, bound to the stream it is
@@ -580,9 +581,9 @@ class Trainer:
         return self.forward_model.no_sync()
 
     def _parallel_name(self) -> str:
-        if not self.info.enabled:
-            return "one process"
-        return "FSDP2" if self.sharded else "DDP"
+        if self.sharded:
+            return "FSDP2"
+        return "DDP" if self.info.enabled else "one process"
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         waited = time.perf_counter()

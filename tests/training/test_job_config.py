@@ -84,6 +84,8 @@ def test_unknown_preset_names_the_choices():
             "train.activation_checkpointing=1",
             "train.activation_checkpointing='1' must be auto, true or false",
         ),
+        ("train.fsdp_reshard_after_forward=2", "train.fsdp_reshard_after_forward='2' must be auto, true"),
+        ("train.fsdp_prefetch=-1", "train.fsdp_prefetch=-1 must be >= 0"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_them(override, message):
@@ -158,3 +160,20 @@ def test_cli_refuses_an_unknown_key(tmp_path):
     assert bad.returncode == 2, bad.stderr
     assert "error: unknown config key 'optim.lrr'" in bad.stderr
     assert not any(tmp_path.iterdir())  # nothing recorded for a launch that was refused
+
+
+@pytest.mark.parametrize(
+    "overrides, fix",
+    [
+        (["train.parallel=fsdp"], "Set train.parallel=ddp .*or keep fsdp with train.cuda_graph=false"),
+        (["train.compile=true"], "Set train.compile=false .*or train.cuda_graph=false to compile each block"),
+        (["train.activation_checkpointing=true"], "Set train.activation_checkpointing=auto .*plan_memory"),
+        (["train.device=cpu"], "set train.cuda_graph=false or train.device=auto"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_naming_what_works(overrides, fix):
+    """CUDA graphs capture the eager step of one process or DDP on a GPU: anything else is refused while
+    the config is read (before anything is built), with the setting that works."""
+    with pytest.raises(ValueError, match=f"train.cuda_graph=true (does not combine with|needs).*{fix}"):
+        compose_job(["model=1.5b", "train.cuda_graph=true", *overrides])
+    compose_job(["model=1.5b", "train.cuda_graph=true"])  # alone it is fine

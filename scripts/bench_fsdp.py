@@ -1,0 +1,137 @@
+"""FSDP2 against plain training on this machine's GPUs: the same compiled run through the real trainer
+(train.py under torchrun), once with train.parallel=ddp (one process: the plain model) and once with
+train.parallel=fsdp (FSDP2 over a one-rank mesh: bf16 gathers, fp32 reduction and masters), then
+tokens/s, peak memory and the loss side by side. What FSDP2 itself costs, with no peer to wait for.
+
+    python scripts/bench_fsdp.py --out outputs/bench_fsdp                     # 0.5b, dense, 30 steps
+    python scripts/bench_fsdp.py --out outputs/bench_fsdp --ffn dense twell --model 1.5b
+    python scripts/bench_fsdp.py --out outputs/bench_fsdp --variants plain fsdp fsdp_keep -- train.micro_batch=4
+
+Data: data=local (`python scripts/prepare_offline_data.py`, run here when offline/ is missing). Steps of
+2 micro-batches of 8 x 2048 tokens (grad_accum 2: FSDP2's unsynchronised micro-batch is in the step).
+"steady" is the median tokens/s of the logging windows after --settle steps (compile and autotuning
+happen before). Writes <out>/bench_fsdp.json, <out>/bench_fsdp.md and each run's log and metrics.
+Everything after `--` is extra Hydra overrides for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from race import commit_of, machine_name, read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "plain": ["train.parallel=ddp"],
+    "fsdp": ["train.parallel=fsdp"],
+    # every block's gathered bf16 parameters held from its forward to its backward: one gather a micro-batch
+    "fsdp_keep": ["train.parallel=fsdp", "train.fsdp_reshard_after_forward=false"],
+    "fsdp_no_prefetch": ["train.parallel=fsdp", "train.fsdp_prefetch=0"],
+}
+FFN = {
+    "dense": ["model.ffn_impl=dense", "sparsity=dense"],
+    "twell": ["model.ffn_impl=twell", "sparsity=paper"],
+}
+
+
+def run_overrides(model: str, ffn: str, variant: str, steps: int, run_dir: Path) -> list[str]:
+    return [
+        f"model={model}", "data=local", *FFN[ffn], *VARIANTS[variant], "train.compile=true",
+        "train.activation_checkpointing=false", "train.precision=bf16", "train.micro_batch=8", "train.seq_len=2048",
+        "train.global_batch_tokens=32768", f"train.steps={steps}", "optim.warmup_steps=10", "logging.log_interval=5",
+        "logging.console=false", "eval.interval=0", "checkpoint.interval=0", "checkpoint.save_final=false",
+        "checkpoint.resume=none", f"run_name=bench_fsdp_{ffn}_{variant}", f"run_dir={run_dir}",
+    ]  # fmt: skip
+
+
+def launch(overrides: list[str], log_path: Path) -> float:
+    """train.py under torchrun with one process; returns its wall seconds (start-up and compile included)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        done = subprocess.run(
+            [*command, str(ROOT / "train.py"), *overrides], stdout=log, stderr=subprocess.STDOUT
+        )
+    if done.returncode:
+        tail = log_path.read_text()[-3000:]
+        raise SystemExit(f"run failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def summarize(records: list[dict], settle: int, wall_s: float) -> dict:
+    after = [r["tokens_per_s"] for r in records if r["step"] > settle] or [records[-1]["tokens_per_s"]]
+    return {
+        "steady_tokens_per_s": statistics.median(after),
+        "windows": [r["tokens_per_s"] for r in records],
+        "peak_mem_gib": max(r["peak_mem_gib"] or 0.0 for r in records),
+        "final_loss": records[-1]["loss"],
+        "wall_s": wall_s,
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        "| ffn | run | steady tokens/s | vs plain | peak GiB | loss at last step | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ffn, runs in result["runs"].items():
+        base = runs.get("plain", {}).get("steady_tokens_per_s")
+        for name, s in runs.items():
+            ratio = f"{s['steady_tokens_per_s'] / base:.3f}x" if base else "n/a"
+            rows.append(
+                f"| {ffn} | {name} | {s['steady_tokens_per_s']:,.0f} | {ratio} | {s['peak_mem_gib']:.1f} | "
+                f"{s['final_loss']:.4f} | {s['wall_s']:.0f} |"
+            )
+    rows.append("")
+    rows.append(
+        f"model {result['model']}, {result['steps']} steps; commit {result['commit']}, {result['machine']}"
+    )
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--model", default="0.5b")
+    parser.add_argument("--ffn", nargs="+", default=["dense"], choices=sorted(FFN))
+    parser.add_argument("--variants", nargs="+", default=["plain", "fsdp"], choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--settle", type=int, default=10, help="steps left out of the steady speed")
+    args = parser.parse_args(argv)
+    if not (ROOT / "offline" / "tokenizer").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_offline_data.py")], check=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model, "steps": args.steps, "settle": args.settle, "extra": extra, "runs": {}}
+    for ffn in args.ffn:
+        result["runs"][ffn] = {}
+        for variant in args.variants:
+            run_dir = args.out / f"{ffn}_{variant}"
+            overrides = [*run_overrides(args.model, ffn, variant, args.steps, run_dir), *extra]
+            print(
+                f"{ffn} / {variant}: torchrun --nproc_per_node=1 train.py {' '.join(overrides)}", flush=True
+            )
+            wall = launch(overrides, args.out / f"{ffn}_{variant}.log")
+            summary = summarize(read_records(run_dir), args.settle, wall)
+            result["runs"][ffn][variant] = summary
+            print(f"  steady {summary['steady_tokens_per_s']:,.0f} tokens/s, {wall:.0f} s", flush=True)
+    result.update(commit=commit_of(ROOT), machine=machine_name())
+    text = table(result)
+    print(text)
+    (args.out / "bench_fsdp.md").write_text(text)
+    (args.out / "bench_fsdp.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

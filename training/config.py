@@ -94,10 +94,12 @@ class TrainConfig:
     # model.ffn_impl=auto on a GPU: compile and autotune the sparse FFN path before step 1, so the switch
     # of layers to it costs nothing mid-run (Trainer._warm_sparse_path)
     warm_up: bool = True
-    # How the TwELL training op sizes each layer's entry list (kernels/train.py, SIZES): deferred (no
-    # layer waits for the GPU; the step's counts are checked once before the optimizer step and the step
-    # is redone on a miss) | estimate (each sparse layer reads its count back: one host sync a layer)
-    twell_sizes: str = "deferred"
+    # How the TwELL training op sizes each layer's entry list (kernels/train.py, SIZES): estimate (each
+    # sparse layer reads its count back after issuing its forward: one host sync a layer) | deferred (no
+    # layer waits; the step's counts are checked once before the optimizer step, a step that missed is
+    # redone). One H200, paper_0.5b, 16k-token steps: estimate 171k tokens/s, deferred 136k, dense 144k
+    # (docs/results/twell_sizes/): estimate is the default, deferred the A/B switch of issue 31's work.
+    twell_sizes: str = "estimate"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name

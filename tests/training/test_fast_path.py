@@ -88,23 +88,24 @@ def test_a_sparse_block_compiles_without_a_graph_break():
 def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same_steps(
     offline_data, tmp_path, monkeypatch
 ):
-    """train.twell_sizes=deferred (the default): no TwELL layer reads its entry count back; the step's
-    counts are settled once before the optimizer step. With capacities far too small, every step after
-    the first (whose calls are exact: no history yet) misses, is redone with exact sizes and counted,
-    and the run trains exactly the steps of the run whose capacities fit. (That deferred calls equal
-    exact ones is tests/kernels/test_train.py's; train.twell_sizes=estimate turns them off.)"""
+    """train.twell_sizes=deferred: no TwELL layer reads its entry count back; the step's counts are
+    settled once before the optimizer step. With capacities far too small, every step after the first
+    (whose calls are exact: no history yet) misses, is redone and counted, and the run trains exactly
+    the steps of the run whose capacities fit. (That deferred calls equal exact ones is
+    tests/kernels/test_train.py's.) The default, estimate, has no step-level check."""
     import twell.kernels.train as kt
 
-    def run(name, *more):
+    def build(name, *more):
         extra = ("model.ffn_impl=twell", "train.compile=false", "train.global_batch_tokens=128", *more)
-        trainer = train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path / name, 3, *extra)))
-        return trainer, [r for r in trainer.fit() if "loss" in r] if not more else []
+        return train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path / name, 3, *extra)))
 
-    assert run("estimate", "train.twell_sizes=estimate")[0]._kt is None
-    fitted, records = run("deferred")
-    assert fitted._kt is not None and records[-1]["twell_redos"] == fitted.twell_redos == 0
+    assert build("estimate")._kt is None
+    fitted = build("deferred", "train.twell_sizes=deferred")
+    records = [r for r in fitted.fit() if "loss" in r]
+    assert records[-1]["twell_redos"] == fitted.twell_redos == 0
     monkeypatch.setattr(kt, "_with_margin", lambda nnz: max(nnz // 2, 1))  # half the slots needed
-    missing, missing_records = run("missing")
+    missing = build("missing", "train.twell_sizes=deferred")
+    missing_records = [r for r in missing.fit() if "loss" in r]
     assert missing.twell_redos == 2 and missing_records[-1]["twell_redos"] == 2
     for a, b in zip(records, missing_records, strict=True):
         assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)

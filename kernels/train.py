@@ -593,21 +593,16 @@ def warm_up(
     weights = [w.requires_grad_() for w in (w_gate, w_up, w_down)]
     x.requires_grad_()
     K = hot_units_for(tokens, d_ff, hot_units)
-    # The exact path that a torch.compile'd graph runs (the custom op, no entry-count history), then the
-    # eager op twice (its first call records the entry count, the second takes the sized path).
-    # The custom op that a torch.compile'd graph runs (a layer's first call is exact: no history yet),
-    # then the deferred size a training loop takes from the second call on.
-    for deferred in (False, True):
-        with deferred_sizes() if deferred else contextlib.nullcontext() as sizes:
-            out = (
-                twell_ffn(x, *weights, hot_units=hot_units)
-                if deferred
-                else torch.ops.twell.ffn_train_fwd(x, *weights, weights[0], K)
-            )
-            y, l1 = out[:2]
-            torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
-            if deferred:
-                sizes.settle()
+    # A layer's first call, exact (through the custom op a torch.compile'd graph runs; it records the
+    # entry count), then the eager op at the size sized from it (the path of every later call).
+    for compiled in (True, False):
+        out = (
+            torch.ops.twell.ffn_train_fwd(x, *weights, weights[0], K)
+            if compiled
+            else twell_ffn(x, *weights, hot_units=hot_units)
+        )
+        y, l1 = out[:2]
+        torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

@@ -41,6 +41,7 @@ from benchlib import (
     mark_ok,
     prepare_step,
     print_kernel_times,
+    settle_step,
     within_tolerance,
     write_results,
 )
@@ -93,8 +94,7 @@ def host_times(fn, leaves, grad_y, reps: int = 5) -> dict:
         t1 = time.perf_counter()
         torch.autograd.backward([y, l1], [grad_y, _l1_grad(y.device)])
         t2 = time.perf_counter()
-        if SETTLE[0] is not None:
-            SETTLE[0].settle()
+        settle_step()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         runs.append((1e3 * (t1 - t0), 1e3 * (t2 - t0), 1e3 * (t3 - t0)))

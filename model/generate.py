@@ -7,6 +7,13 @@ row up to 64, csr for a prefill's thousands), dense matmuls elsewhere. Prompts o
 share one right-padded prefill: each row's positions start at 0 and its pad is never attended
 (model/kv_cache.py), so a prompt continues exactly as it would alone.
 
+`Decoder(..., compile=True)` runs the blocks and the final norm through torch.compile (one block
+compiled once and reused by every layer of the same kind: a few seconds, not the whole stack's minute):
+inductor fuses each block's norms, RoPE, cache writes and residual adds, which eager runs as some fifty
+small kernels a layer, the cost that bounds a decode step at small batches. The TwELL inference op stays
+one opaque call in the compiled block. One-token steps compile for static shapes (one graph per batch
+size), prefills for any prompt length (dynamic after the second length seen).
+
 On CUDA, `Decoder(..., cuda_graph=True)` replays each decode step from a CUDA graph (one per batch
 size, captured on first use after warm-up calls that autotune the kernels): the step's launches cost
 one graph launch. Sampling runs after the graph, from a `torch.Generator` (exponential race, no host
@@ -29,6 +36,38 @@ from twell.model.transformer import Transformer
 
 CACHE_ROUND = 64  # a cache made by generate() holds a multiple of this many slots (capped at max_seq_len)
 GRAPH_WARMUP_STEPS = 2  # eager steps on the capture stream before a capture: autotuning, workspaces
+
+
+def _decode_block(block, x, cos, sin, with_stats, kv):
+    """One block of a one-token step: what Decoder(compile=True) compiles for static shapes."""
+    return block(x, cos, sin, with_stats, kv)
+
+
+def _prefill_block(block, x, cos, sin, with_stats, kv):
+    """One block of a prefill (its own function: torch.compile keeps its graphs per code object, and a
+    prefill's prompt length may be dynamic where a step's shapes are not)."""
+    return block(x, cos, sin, with_stats, kv)
+
+
+def _final_norm(norm, x):
+    """The stack's final RMSNorm of a one-token step (compiled: one kernel where eager runs eight)."""
+    return norm(x)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled(name: str) -> Callable:
+    """The torch.compile wrapper of one of the functions above, made once per process (the graphs live
+    with the function's code object, so every Decoder shares them)."""
+    if name not in _COMPILED:
+        fn, dynamic = {
+            "decode": (_decode_block, False),
+            "prefill": (_prefill_block, None),
+            "norm": (_final_norm, False),
+        }[name]
+        _COMPILED[name] = torch.compile(fn, dynamic=dynamic)
+    return _COMPILED[name]
 
 
 @dataclass
@@ -87,10 +126,19 @@ class Decoder:
 
     prefill(prompts) writes the prompts and returns the logits of each one's last token; step(tokens)
     appends one token per sequence and returns the next logits. Reusable: every prefill starts anew.
-    cuda_graph=True (CUDA only): the step is replayed from a CUDA graph per batch size.
+    cuda_graph=True (CUDA only): the step is replayed from a CUDA graph per batch size. compile=True:
+    blocks and final norm through torch.compile (see the module doc); combines with cuda_graph.
     """
 
-    def __init__(self, model: Transformer, batch_size: int, max_len: int, *, cuda_graph: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int,
+        max_len: int,
+        *,
+        cuda_graph: bool = False,
+        compile: bool = False,
+    ):
         weight = model.tok_embeddings.weight
         self.model = model
         self.cache = KVCache(model.cfg, batch_size, max_len, device=weight.device, dtype=weight.dtype)
@@ -99,7 +147,7 @@ class Decoder:
                 f"cuda_graph=True needs the model on a CUDA device (it is on {weight.device}); "
                 "leave cuda_graph off"
             )
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.compile = cuda_graph, compile
         device = weight.device
         self._tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)  # the step's input
         self._positions = torch.zeros(batch_size, dtype=torch.int64, device=device)  # next slot per row
@@ -148,7 +196,11 @@ class Decoder:
             padded[row, : len(ids)] = ids
         device = self._tokens.device
         lengths_dev = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
-        hidden = self.model.hidden_states(padded.to(device), kv=self.cache.prefill_views(batch))
+        hidden = self.model.hidden_states(
+            padded.to(device),
+            kv=self.cache.prefill_views(batch),
+            run_block=compiled("prefill") if self.compile else None,
+        )
         last = hidden[torch.arange(batch, device=device), lengths_dev - 1]
         self._positions[:batch].copy_(lengths_dev)
         self._batch, self._next_slot = batch, longest
@@ -187,6 +239,8 @@ class Decoder:
             self._tokens[:batch, None],
             kv=self.cache.decode_views(positions, mask),
             positions=positions[:, None],
+            run_block=compiled("decode") if self.compile else None,
+            run_norm=compiled("norm") if self.compile else None,
         )
         positions.add_(1)
         return F.linear(hidden[:, 0], self.model.output_weight())
@@ -276,6 +330,7 @@ def generate(
     on_token: Callable[[list[int | None]], None] | None = None,
     decoder: Decoder | None = None,
     cuda_graph: bool = False,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Continue each prompt by up to max_new_tokens tokens (fewer where it emits an EOS id).
 
@@ -283,7 +338,8 @@ def generate(
     temperature 0, else sampled (`sample_next`: top_k, top_p) from `generator` (on the model's device;
     a seeded one reproduces the draw). on_token(tokens): after every step, each row's new token, None
     for a row that had already stopped (a host sync per step). decoder: a Decoder to reuse (its cache
-    and CUDA graphs); default, a new one sized for this call, with CUDA graphs if cuda_graph.
+    and CUDA graphs); default, a new one sized for this call, with CUDA graphs if cuda_graph and
+    torch.compile'd blocks if compile.
     """
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -298,7 +354,7 @@ def generate(
     longest = max(len(p) for p in prompts)
     if decoder is None:
         max_len = cache_len_for(model.cfg.max_seq_len, longest, max_new_tokens)
-        decoder = Decoder(model, len(prompts), max_len, cuda_graph=cuda_graph)
+        decoder = Decoder(model, len(prompts), max_len, cuda_graph=cuda_graph, compile=compile)
     else:
         cache_len_for(decoder.max_len, longest, max_new_tokens, what="the decoder's KV cache max_len")
     eos = None

@@ -34,10 +34,11 @@ class LayerKV(NamedTuple):
             self.k[:, :, :S].copy_(k)
             self.v[:, :, :S].copy_(v)
             return k, v
-        # One slot per row (S == 1), at a position held on the device: a scatter, no host sync.
-        slot = self.positions.view(-1, 1, 1, 1).expand_as(k)
-        self.k.scatter_(2, slot, k)
-        self.v.scatter_(2, slot, v)
+        # One slot per row (S == 1), at a position held on the device: no host sync. An index_put_, which
+        # torch.compile writes in place (a scatter_ on the cache would be copied whole, every layer and step).
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[rows, :, self.positions] = k[:, :, 0]
+        self.v[rows, :, self.positions] = v[:, :, 0]
         return self.k, self.v
 
 

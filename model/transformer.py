@@ -110,13 +110,16 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         kv: list[LayerKV] | None = None,
         positions: torch.Tensor | None = None,
+        run_block=None,
+        run_norm=None,
     ) -> torch.Tensor:
         """tokens int64 [B, S] -> the final RMSNorm's output [B, S, d_model]: the decoder stack without
         the output head (as HF's `LlamaModel`), no L1 or statistics (inference kernels under no_grad).
 
         Generation (model/generate.py): kv, one KV cache layer per block (model/kv_cache.py), and
-        positions, int64 [B, S] RoPE positions per sequence (None: 0..S-1, a prefill's)."""
-        return self._decoder(tokens, with_stats=False, kv=kv, positions=positions)[0]
+        positions, int64 [B, S] RoPE positions per sequence (None: 0..S-1, a prefill's); run_block and
+        run_norm, callers of the blocks and the final norm (see _decoder)."""
+        return self._decoder(tokens, False, kv, positions, run_block, run_norm)[0]
 
     def generate(self, prompts, max_new_tokens: int, **options) -> GenerationOutput:
         """Continue each prompt (token ids) by up to max_new_tokens tokens with a KV cache: greedy by
@@ -126,7 +129,12 @@ class Transformer(nn.Module):
 
         return generate(self, prompts, max_new_tokens, **options)
 
-    def _decoder(self, tokens: torch.Tensor, with_stats: bool, kv=None, positions=None):
+    def _decoder(
+        self, tokens: torch.Tensor, with_stats: bool, kv=None, positions=None, run_block=None, run_norm=None
+    ):
+        """The stack: embeddings, blocks, final norm. run_block(block, x, cos, sin, with_stats, kv) and
+        run_norm(norm, x), when given, call the blocks and the norm in their place (generation passes
+        compiled callers of them)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
         if positions is None:
@@ -142,10 +150,11 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         l1s, layer_stats = [], []
         for i, block in enumerate(self.layers):
-            x, l1, stats = block(x, cos, sin, with_stats, None if kv is None else kv[i])
+            args = (x, cos, sin, with_stats, None if kv is None else kv[i])
+            x, l1, stats = block(*args) if run_block is None else run_block(block, *args)
             l1s.append(l1)
             layer_stats.append(stats)
-        return self.norm(x), l1s, layer_stats
+        return (self.norm(x) if run_norm is None else run_norm(self.norm, x)), l1s, layer_stats
 
     @torch.no_grad()
     def order_ffn_units(self, tokens: torch.Tensor, hot_prefix: int = 512) -> list[float]:

@@ -6,7 +6,8 @@
 
 Per model, FFN implementation and batch size: `generate` (model/generate.py) on --batch prompts of
 --prompt-len tokens, --new-tokens greedy tokens each (no EOS stop), bf16 weights and KV cache, each decode
-step replayed from a CUDA graph on both sides (CPU: fp32, eager) (--no-graph: eager steps). Time to first token = prefill
+step replayed from a CUDA graph on both sides, blocks through torch.compile (Decoder(compile=True); CPU:
+fp32, eager) (--no-graph: eager steps; --no-compile: the blocks as eager modules). Time to first token = prefill
 + the first token on the host; decode tokens/s = batch x steps / the steps' wall time. Each figure is
 the best of --repeats runs after a warm-up run (graph capture, Triton autotuning).
 
@@ -89,7 +90,7 @@ def run_variant(
 ) -> tuple[dict, list[list[int]]]:
     """Warm up, then the best of --repeats generate() calls; (row of figures, the greedy tokens)."""
     max_len = cache_len_for(model.cfg.max_seq_len, args.prompt_len, args.new_tokens)
-    decoder = Decoder(model, len(prompts), max_len, cuda_graph=args.graph)
+    decoder = Decoder(model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile)
     generate(model, prompts, WARM_TOKENS, decoder=decoder)
     runs = [generate(model, prompts, args.new_tokens, decoder=decoder) for _ in range(args.repeats)]
     best = min(runs, key=lambda run: run.decode_s)
@@ -98,6 +99,7 @@ def run_variant(
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "graph": args.graph,
+        "compiled": args.compile,
         "ttft_ms": min(run.time_to_first_token_s for run in runs) * 1e3,
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,
         "step_ms": best.decode_s / best.steps * 1e3,
@@ -207,6 +209,12 @@ def parse_args(argv=None):
     p.add_argument("--mean-active", type=float, default=29.0, help="calibration target, units per token")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="eager decode steps")
     p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="blocks as eager modules (no torch.compile)",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="CPU smoke test: small model, batch 1 2, 8 + 3 tokens"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -226,6 +234,7 @@ def parse_args(argv=None):
     if min(args.batch) < 1:
         p.error(f"--batch {args.batch}: every batch size must be >= 1")
     args.graph = args.graph and torch.device(args.device).type == "cuda"
+    args.compile = args.compile and torch.device(args.device).type == "cuda"
     return args
 
 

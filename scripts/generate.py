@@ -26,7 +26,18 @@ from twell.eval.load import load_for_eval, parse_settings
 from twell.model.generate import Decoder, cache_len_for, generate
 
 SCRIPT_KEYS = {"checkpoint", "model", "tokenizer", "prompt", "file", "max_new_tokens", "temperature", "top_k"}
-SCRIPT_KEYS |= {"top_p", "seed", "stop_at_eos", "bos", "batch_size", "device", "dtype", "cuda_graph", "out"}
+SCRIPT_KEYS |= {
+    "top_p",
+    "seed",
+    "stop_at_eos",
+    "bos",
+    "batch_size",
+    "device",
+    "dtype",
+    "cuda_graph",
+    "compile",
+    "out",
+}
 
 
 def _flag(options: dict, key: str, default: bool) -> bool:
@@ -83,6 +94,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, options.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32"))
     cuda_graph = _flag(options, "cuda_graph", device.type == "cuda")
+    compile_blocks = _flag(options, "compile", device.type == "cuda")
 
     net, tokenizer_name = load_for_eval(
         options["checkpoint"], preset=options.get("model"), tokenizer=options.get("tokenizer"), **overrides
@@ -96,7 +108,7 @@ def main(argv=None) -> list[dict]:
     )
     print(
         f"model: {net.cfg.num_params() / 1e6:.2f}M parameters, {sparse} of {net.cfg.n_layers} FFN layers sparse, "
-        f"{dtype} on {device}{', CUDA graphs' if cuda_graph else ''}",
+        f"{dtype} on {device}{', CUDA graphs' if cuda_graph else ''}{', compiled' if compile_blocks else ''}",
         file=sys.stderr,
     )
     bos = [tokenizer.eos_token_id] if _flag(options, "bos", True) else []
@@ -104,7 +116,9 @@ def main(argv=None) -> list[dict]:
     eos = tokenizer.eos_token_id if _flag(options, "stop_at_eos", True) else None
     # One cache (and one CUDA graph per batch size) serves every batch.
     max_len = cache_len_for(net.cfg.max_seq_len, max(len(p) for p in prompts), max_new_tokens)
-    decoder = Decoder(net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph)
+    decoder = Decoder(
+        net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph, compile=compile_blocks
+    )
     generator = torch.Generator(device=device).manual_seed(int(options.get("seed", 0)))
 
     results = []

@@ -6,6 +6,7 @@ dense ones, sampling reproduces from a seed, and bad inputs name the fix."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -215,24 +216,53 @@ def test_bad_inputs_name_the_fix():
         Decoder(model, 1, 8, cuda_graph=True)
 
 
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler on CPU"
+)
+def test_compiled_decoder_equals_eager_and_compiles_one_block_for_every_layer():
+    """Decoder(compile=True): the same logits as eager through a prefill and the steps after it (the
+    cache writes land in the cache, not in a copy), one graph per kind of call shared by every layer, and
+    no recompile from one step to the next."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(5, n_layers=3)
+    prompts = random_prompts([3, 6], SHAPE["vocab_size"], 5)
+    logits = {}
+    for compile_blocks in (False, True):
+        decoder = Decoder(model, 2, 16, compile=compile_blocks)
+        logits[compile_blocks] = [decoder.prefill(prompts)]
+        for _ in range(4):
+            logits[compile_blocks].append(decoder.step(logits[compile_blocks][-1].argmax(-1)).clone())
+    for eager, compiled in zip(logits[False], logits[True]):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    # prefill block, decode block, final norm: three graphs for three layers and five calls each.
+    assert counters["stats"]["unique_graphs"] == 3
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["dense", "twell"])
 def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
-    """bf16 on the GPU: the graphed decode gives the eager decode's logits, batch by batch size."""
+    """bf16 on the GPU: the graphed decode, with eager or compiled blocks, gives the eager decode's
+    logits, batch by batch size."""
     model = make_model(9, ffn_impl=impl, d_model=128, d_ff=384).cuda().to(torch.bfloat16)
     prompts = random_prompts([5, 17, 2, 9, 1, 30, 4, 8], SHAPE["vocab_size"], 9)
+    modes = ((False, False), (True, False), (True, True))  # (cuda_graph, compile)
     for batch in (1, 2, 8):
         logits = {}
-        for graph in (False, True):
-            decoder = Decoder(model, 8, 64, cuda_graph=graph)
-            logits[graph] = [decoder.prefill(prompts[:batch]).float()]
+        for graph, compile_blocks in modes:
+            decoder = Decoder(model, 8, 64, cuda_graph=graph, compile=compile_blocks)
+            run = logits[graph, compile_blocks] = [decoder.prefill(prompts[:batch]).float()]
             for _ in range(6):
-                token = logits[graph][-1].argmax(-1)
-                logits[graph].append(decoder.step(token).float())
-        for eager, graphed in zip(logits[False], logits[True]):
-            torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
+                run.append(decoder.step(run[-1].argmax(-1)).float())
+        for mode in modes[1:]:
+            for eager, other in zip(logits[modes[0]], logits[mode]):
+                torch.testing.assert_close(other, eager, rtol=2e-2, atol=2e-2)
     out = generate(model, prompts, 6, cuda_graph=True)
     assert out.tokens == generate(model, prompts, 6).tokens
+    assert generate(model, prompts, 6, cuda_graph=True, compile=True).tokens == out.tokens
     # The graph captured at the cache's last slot (its warm-up steps must stay inside the cache).
     full = [[3] * 63]
     assert generate(model, full, 2, cuda_graph=True).tokens == generate(model, full, 2).tokens

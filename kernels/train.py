@@ -41,7 +41,7 @@ from .reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
-from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
+from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy, tune_length_buckets
 
 # How the backward's sparse products are scheduled; selectable so one GPU run can compare them.
 #   "fused3": dh by a sampled dot (w_down rows gathered per entry); one column pass gathers x and dy
@@ -440,6 +440,15 @@ def _(x, w_gate, w_up, w_down, key, hot_units):
     )  # fmt: skip
 
 
+def _backward_variant(M: int, hot: bool) -> str:
+    """The column pass's variant for M tokens: the setting, or under "auto" split only for large
+    batches without hot units (NOTES_TRAIN.md round 8)."""
+    variant = _settings["backward"]
+    if variant == "auto":
+        variant = "split" if M >= 65536 and not hot else "fused3"
+    return variant
+
+
 def _backward_impl(
     grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu,
     w_down_hot,
@@ -449,9 +458,7 @@ def _backward_impl(
     dy = grad_y.to(x.dtype).contiguous()
     grad_l1 = grad_l1.float()  # d(sum|h| / M)/dh = sign(h) / M times this: divided in the kernels
     hot = hot_idx.numel() > 0
-    variant = _settings["backward"]
-    if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
-        variant = "split" if M >= 65536 and not hot else "fused3"
+    variant = _backward_variant(M, hot)
     # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
     side = _side_stream(x) if hot else None
@@ -581,9 +588,9 @@ def warm_up(
     """Run twell_ffn forward and backward on paper-like inputs of this shape (kernels/synthetic.py: ~29
     active units a token, 30% dead units, a long tail) so that every kernel the training op uses is
     compiled and autotuned before a model needs it: tuned on a random model's half-active gate, the
-    kernels keyed by shape alone would keep configurations for the wrong regime. (The column passes are
-    also keyed by mean segment length, which changes with activity: those buckets are tuned here only
-    for this activity level.)
+    kernels keyed by shape alone would keep configurations for the wrong regime. The column pass is also
+    keyed by mean column length, which moves with activity: every one of its buckets is tuned here
+    (train_sparse.tune_length_buckets), so that none is first met, and timed, in the middle of a run.
     Returns the seconds it took (synchronised)."""
     from .synthetic import paper_like_ffn_inputs
 
@@ -603,6 +610,9 @@ def warm_up(
         )
         y, l1 = out[:2]
         torch.autograd.backward([y, l1], [torch.ones_like(y), torch.ones_like(l1)])
+    modes = (SPLIT3,) if _backward_variant(tokens, K > 0) == "fused3" else (SPLIT2, ONE)
+    for mode in modes:
+        tune_length_buckets(d_ff, d_model, tokens, mode, device, dtype=x.dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

@@ -93,7 +93,7 @@ def _bits_row_scan_kernel(bits_ptr, hot_bits_ptr, row_ptr_ptr, row_active_ptr, t
     tl.atomic_add(totals_ptr + 1, tl.sum(n_cold, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap"])
 def _compact_csr_kernel(
     h_ptr, bits_ptr, hot_bits_ptr, hot_pos_ptr, ghot_ptr, row_ptr_ptr, rows_ptr, cols_ptr, vals_ptr, M, F,
     K_HOT, M_BUCKET, cap, long_count_ptr, long_list_ptr, long_slot_ptr, HOT: tl.constexpr, ROWS: tl.constexpr,
@@ -248,7 +248,7 @@ def build_pattern(
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _permute_kernel(
     order_ptr, rows_ptr, cols_ptr, a_ptr, b_ptr, c_ptr, o_rows_ptr, o_cols_ptr, o_a_ptr, o_b_ptr, o_c_ptr, n,
     BLOCK: tl.constexpr,

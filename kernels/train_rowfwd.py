@@ -222,7 +222,7 @@ def _fwd_row(row, start, row_end, cap, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr
         tl.store(l1_ptr + row, l1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "n_long_progs"])
 def _row_fwd_kernel(row_ptr_ptr, cols_ptr, gate_ptr, x_ptr, wu_ptr, wd_ptr, up_ptr, y_ptr, init_ptr,
                     l1_ptr, l1_init_ptr, h_ptr, hot_pos_ptr, cap, long_count_ptr, long_list_ptr, long_slot_ptr,
                     n_long_progs,
@@ -325,7 +325,7 @@ def _dx_row(row, start, end, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, D
     tl.store(dx_ptr + row * D + ds, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_long_progs"])
 def _row_dx_kernel(row_ptr_ptr, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, long_count_ptr, long_list_ptr,
                    long_slot_ptr, n_long_progs, D: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr,
                    LONG_ROW: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip

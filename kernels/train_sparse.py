@@ -57,7 +57,7 @@ def _tuned(configs, key):
 
 
 @_tuned(_configs(_SHAPES), key=["D"])
-@triton.jit
+@triton.jit(do_not_specialize=["nnz"])
 def _entry_grads_kernel(
     rows_ptr, cols_ptr, dy_ptr, wd_ptr, d_gate_ptr, nnz, stride_dy, stride_wd, gate_ptr, up_ptr, l1_ptr, M,
     d_up_ptr, h_ptr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -140,7 +140,7 @@ def _store_sum(acc, out_ptr, part_ptr, out_offs, part_offs, direct, partial):
 
 
 @_tuned(_configs(_SHAPES), key=["D", "MODE", "LEN_BUCKET"])
-@triton.jit
+@triton.jit(do_not_specialize=["LEN_BUCKET"])
 def _segment_axpy_kernel(
     seg_ptr, item_seg_ptr, item_ptr_ptr, part_ptr_ptr, gidx_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr,
     o0_ptr, o1_ptr, o2_ptr, p0_ptr, p1_ptr, p2_ptr, n_seg, stride_s0, stride_s1, stride_o,
@@ -195,7 +195,7 @@ def _segment_axpy_kernel(
         _store_sum(tl.sum(acc2, axis=0), o2_ptr, p2_ptr, out_offs, part_offs, direct, partial)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_split"])
 def _sum_partials_kernel(
     split_ptr, max_split, item_ptr_ptr, part_ptr_ptr, p_ptr, o0_ptr, o1_ptr, o2_ptr, stride_o, stride_p,
     D: tl.constexpr, WHILE_LOOP: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -233,7 +233,7 @@ def _sum_partials_kernel(
         tl.store(o2_ptr + out_offs, acc.to(o2_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_split"])
 def _work_list_kernel(
     seg_ptr, item_ptr_ptr, part_ptr_ptr, item_seg_ptr, split_ptr, n_seg, max_split, CHUNK: tl.constexpr,
     BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr,
@@ -309,11 +309,46 @@ def _work_list(seg_ptr: torch.Tensor, n_seg: int, chunk: int, max_items: int, ma
     return item_ptr, part_ptr, item_seg.to(torch.int32), split
 
 
+MAX_LEN_BUCKET = 1024
+LEN_BUCKETS = tuple(2**i for i in range(MAX_LEN_BUCKET.bit_length()))  # every value _length_bucket takes
+
+
 def _length_bucket(nnz: int, n_seg: int) -> int:
     """Mean segment length, rounded to a power of two: keys the autotuning so that short columns (hot
     units on tensor cores leave the sparse kernels ~25% of the entries) and long ones (~100-400
     entries) get their own tile shapes."""
-    return min(triton.next_power_of_2(max(nnz // max(n_seg, 1), 1)), 1024)
+    return min(triton.next_power_of_2(max(nnz // max(n_seg, 1), 1)), MAX_LEN_BUCKET)
+
+
+def tune_length_buckets(
+    n_seg: int,
+    D: int,
+    source_rows: int,
+    mode: int,
+    device,
+    dtype=torch.bfloat16,
+    chunk: int = 512,
+    buckets: tuple[int, ...] = LEN_BUCKETS,
+) -> None:
+    """Autotune segment_axpy for every mean-length bucket (LEN_BUCKETS) at this shape, on columns of
+    exactly that length. A run meets the buckets as its layers' activity moves (16 to 1024 while a
+    layer that just switched sheds units, 1 to 8 in very sparse layers); each first met mid-run stopped
+    the step for ~4 s of compiling and timing (H200, paper_1.5b: seven buckets, ~25 s of stalls after
+    the last layers switched). Tuned here, before training, and kept on disk by kernels._common.autotune,
+    a later run pays nothing. dtype: the sources' and outputs' (the autotuning key holds the dtypes)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n_sources, n_outs = {ONE: (1, 1), SPLIT2: (1, 2), SPLIT3: (2, 3)}[mode]
+    sources = tuple(
+        torch.randn(source_rows, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        for _ in range(n_sources)
+    )
+    outs = tuple(torch.empty(n_seg, D, device=device, dtype=dtype) for _ in range(n_outs))
+    for bucket in buckets:
+        nnz = bucket * n_seg
+        seg_ptr = torch.arange(0, nnz + 1, bucket, device=device, dtype=torch.int32)
+        gidx = torch.randint(0, source_rows, (nnz,), generator=gen, device=device, dtype=torch.int32)
+        coefs = tuple(torch.randn(nnz, generator=gen, device=device) for _ in range(n_outs))
+        segment_axpy(seg_ptr, gidx, coefs, sources, outs, mode, chunk)
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:

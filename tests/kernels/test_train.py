@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twell.kernels import train_sparse
 from twell.kernels.reference import relu_ffn
 from twell.kernels.synthetic import (
     make_rows_dense,
@@ -300,6 +301,38 @@ def test_segment_sums_split_long_segments_exactly(mode):
     segment_axpy(seg_ptr.to(DEVICE), gidx.to(DEVICE), *on_device, outs, mode, chunk=8)
     for out, ref in zip(outs, expected):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_length_bucket_tuning_builds_columns_of_each_bucket_length(monkeypatch):
+    """tune_length_buckets runs segment_axpy on columns exactly `bucket` entries long, so the call it
+    makes is keyed by that very bucket (what warm_up relies on to tune each one before a run)."""
+    seen = []
+    real = train_sparse.segment_axpy
+
+    def spy(seg_ptr, gidx, coefs, sources, outs, mode, chunk=512):
+        n_seg = outs[0].shape[0]
+        seen.append((train_sparse._length_bucket(gidx.numel(), n_seg), mode, len(coefs), len(sources)))
+        assert torch.equal(
+            seg_ptr.diff(), torch.full((n_seg,), seen[-1][0], dtype=torch.int32, device=DEVICE)
+        )
+        real(seg_ptr, gidx, coefs, sources, outs, mode, chunk)
+
+    monkeypatch.setattr(train_sparse, "segment_axpy", spy)
+    train_sparse.tune_length_buckets(3, 16, 8, SPLIT3, DEVICE, torch.float32, chunk=4, buckets=(1, 2, 8))
+    train_sparse.tune_length_buckets(3, 16, 8, ONE, DEVICE, torch.float32, chunk=4, buckets=(4,))
+    assert seen == [(1, SPLIT3, 3, 2), (2, SPLIT3, 3, 2), (8, SPLIT3, 3, 2), (4, ONE, 1, 1)]
+    assert train_sparse.LEN_BUCKETS[-1] == train_sparse._length_bucket(10**9, 1)
+
+
+@pytest.mark.gpu
+def test_warm_up_tunes_every_column_length_bucket_on_gpu():
+    """After kernels.train.warm_up no mean-column-length bucket of the column pass is left to be timed
+    mid-run (each cost ~4 s of stall when first met by a training run)."""
+    from twell.kernels.train import warm_up
+
+    warm_up(16384, 2048, 5632, "cuda")
+    tuned = {key[:3] for key in train_sparse._segment_axpy_kernel.cache}
+    assert {(2048, SPLIT3, bucket) for bucket in train_sparse.LEN_BUCKETS} <= tuned
 
 
 def test_work_list_kernel_matches_the_torch_build(monkeypatch):

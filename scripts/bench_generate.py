@@ -105,10 +105,38 @@ def run_variant(
         "step_ms": best.decode_s / best.steps * 1e3,
         "cache_gib": decoder.cache.nbytes() / 2**30,
     }
+    if args.profile:
+        row["profile"] = profile_steps(model, decoder, prompts, args)
     del decoder
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, best.tokens
+
+
+PROFILE_STEPS = 20
+
+
+def profile_steps(model: Transformer, decoder: Decoder, prompts: torch.Tensor, args) -> str:
+    """--profile: where a decode step's time goes. PROFILE_STEPS steps after a prefill, as the timed
+    runs take them, under torch.profiler; writes the per-kernel table (GPU time, calls) to
+    --profile/<model>_<ffn>_b<batch>.txt and returns its path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    logits = decoder.prefill(prompts.tolist())
+    token = logits.argmax(-1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts.is_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            token = decoder.step(token).argmax(-1)
+        if prompts.is_cuda:
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if prompts.is_cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+    ffn = "twell" if any(block.ffn.impl != "dense" for block in model.layers) else "dense"
+    path = Path(args.profile) / f"{model.cfg.name}_{ffn}_b{len(prompts)}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{PROFILE_STEPS} decode steps, graph={args.graph}, compiled={args.compile}\n{table}\n")
+    return str(path)
 
 
 @torch.no_grad()
@@ -214,6 +242,7 @@ def parse_args(argv=None):
         action="store_false",
         help="blocks as eager modules (no torch.compile)",
     )
+    p.add_argument("--profile", default=None, help="folder: a per-kernel profile of the decode steps per row")
     p.add_argument(
         "--quick", action="store_true", help="CPU smoke test: small model, batch 1 2, 8 + 3 tokens"
     )

@@ -50,7 +50,7 @@ def test_twell_kernels_work_from_a_folder_outside_the_project(tmp_path):
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(b.l1, a.l1, atol=1e-4, rtol=1e-4)
         assert torch.equal(b.stats.unit_fires, a.stats.unit_fires)
-        import twell.kernels.train as kt
+        import twell.kernels.training.train as kt
         import pathlib
         assert pathlib.Path(kt.__file__).resolve().is_relative_to({str(ROOT)!r}), kt.__file__
         spec = importlib.util.find_spec("kernels")

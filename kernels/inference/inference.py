@@ -2,7 +2,7 @@
 
 Three schedules (`schedule=`; the default picks by batch size):
 - "fused" (1-2 tokens by default, 1-4 from d_ff 8192; at most FUSED_MAX_TOKENS): the whole FFN in one kernel
-  (kernels/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
+  (kernels/inference/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
   format in memory and no second launch; y's last bit may vary run to run (the row schedule under
   torch.use_deterministic_algorithms(True)).
 - "row" (decode sizes, 3-64 tokens): the gate kernel writes the TwELL format from its epilogue and one
@@ -11,8 +11,8 @@ Three schedules (`schedule=`; the default picks by batch size):
   tiles (more positives than slots) are recomputed densely from x and w_gate inside the program. h is
   never in memory.
 - "csr" (above 64 tokens): the relu GEMM writes h densely with a positive bitmask; the bitmask is
-  compacted into a CSR of the positives (kernels/train_format.py, no host sync: a fixed capacity) and
-  the training op's row kernel walks each row's contiguous entries (kernels/train_rowfwd.py). Rows
+  compacted into a CSR of the positives (kernels/training/train_format.py, no host sync: a fixed capacity) and
+  the training op's row kernel walks each row's contiguous entries (kernels/training/train_rowfwd.py). Rows
   whose entries run past the capacity read the rest from h. Faster at large batches: no tile walk.
 
 Hot units (`hot_units=K`; by default only the row schedule from HOT_MIN_TOKENS tokens): the K units
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .._common import (
     autotune,
     check_ffn_args,
     check_hot_prefix,
@@ -43,18 +43,18 @@ from ._common import (
     interpreting,
     next_pow2,
 )
-from .bitmask import count_fires
+from ..bitmask import count_fires
+from ..gate import _twell_gate, relu_gate_bits, twell_gate_hot
+from ..training.train_format import build_pattern, hot_split
+from ..training.train_rowfwd import row_ffn_inference
 from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_workspace
-from .gate import _twell_gate, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
-from .train_format import build_pattern, hot_split
-from .train_rowfwd import row_ffn_inference
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
 # row; "csr": the gate's positive bitmask compacted into a CSR of the cold positives (as the training
 # op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
 # at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above; "fused"
-# (kernels/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
+# (kernels/inference/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
 # default_fused_tokens(d_ff).
 SCHEDULES = ("row", "csr", "fused")
 DEFAULT_FUSED_TOKENS = 2  # H200, per layer in an 8-layer graph: NOTES.md round 16

@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._common import check_ffn_args, check_hot_units, check_kernel_device
-from .bitmask import count_fires
-from .gate import relu_gate_bits
-from .inference import default_hot_units
-from .reference import FFNOutput
+from .._common import check_ffn_args, check_hot_units, check_kernel_device
+from ..bitmask import count_fires
+from ..gate import relu_gate_bits
+from ..inference.inference import default_hot_units
+from ..reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
@@ -240,7 +240,7 @@ def static_misses(device: torch.device | str) -> Tensor:
     return _misses[device]
 
 
-# Hot units, with inference's default (kernels.inference.default_hot_units: 1024 units from 16384
+# Hot units, with inference's default (kernels.inference.inference.default_hot_units: 1024 units from 16384
 # tokens on a GPU, measured best for both ops): the units that fire most often in the batch (exact
 # counts, one selection kernel) take every product on tensor cores (cuBLAS GEMMs on their gathered
 # weight rows: ~75% of the entries at paper-like skew with 1024 of 5632 units); the sparse kernels
@@ -585,7 +585,7 @@ def warm_up(
     also keyed by mean segment length, which changes with activity: those buckets are tuned here only
     for this activity level.)
     Returns the seconds it took (synchronised)."""
-    from .synthetic import paper_like_ffn_inputs
+    from ..synthetic import paper_like_ffn_inputs
 
     device = torch.device(device)
     start = time.perf_counter()

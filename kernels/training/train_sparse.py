@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, interpreting
+from .._common import autotune, interpreting
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
 ONE = 0  # out0 = sum c0 * src0[g]                              (dW_down alone)

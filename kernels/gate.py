@@ -43,7 +43,7 @@ class HotGate(NamedTuple):
 def default_tile_n(M: int, F: int) -> int:
     """Format width of twell_gate: 256 (the paper's) for large batches; narrower tiles give small batches
     more programs (32 at M <= 64). The FFN's decode path picks its own format
-    (kernels.inference.inference.DECODE_TILE_N: 64-wide tiles measured faster there, NOTES.md round 13)."""
+    (kernels.inference.inference.DECODE_TILE_N: 64-wide tiles measured faster there, NOTES round 13)."""
     if interpreting():
         return 64
     if M >= 2048 and F >= 2048:

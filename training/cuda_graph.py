@@ -2,7 +2,7 @@
 
 Why: an eager micro-batch issues every kernel from Python, tens of microseconds of host time each.
 A TwELL layer issues ~50 of them for ~2 ms of GPU work at 16k tokens, so on the H200 nodes an eager
-step waits on the host (kernels/NOTES_TRAIN.md). A replay issues the whole micro-batch at once.
+step waits on the host (docs/KERNELS.md). A replay issues the whole micro-batch at once.
 
 What is captured: the model's forward under bf16 autocast, CE (fp32) + l1_coef * L1 with l1_coef a
 device scalar refilled each step, and the backward, which accumulates into the parameters' .grad.

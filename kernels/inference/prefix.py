@@ -7,7 +7,7 @@ y_hot = (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P] needs no selection and no gathe
 its first product with the multiply folded into the epilogue (fp32 tile times the gate, rounded once),
 through TMA descriptors on Hopper (pointer loads elsewhere). Graph-replayed on an H200 at P 512: 60 us
 at 16384 tokens and 485 us at 131072, where cuBLAS plus a separate pass over h's strided prefix takes
-74 and 592 us, and pointer loads take 68 and 542 us (kernels/NOTES.md round 13). The second product
+74 and 592 us, and pointer loads take 68 and 542 us (NOTES round 13). The second product
 stays on cuBLAS, as an addmm onto the row kernel's output.
 """
 

@@ -50,7 +50,7 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 #   "auto" (default): the measured best on an H200: split from 65536 tokens without hot units (round
 #             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
 #             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
-#             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
+#             fewer-launch variant; NOTES_TRAIN round 8).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
@@ -450,7 +450,7 @@ def _backward_impl(
     grad_l1 = grad_l1.float()  # d(sum|h| / M)/dh = sign(h) / M times this: divided in the kernels
     hot = hot_idx.numel() > 0
     variant = _settings["backward"]
-    if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN.md round 8)
+    if variant == "auto":  # split only for large batches without hot units (NOTES_TRAIN round 8)
         variant = "split" if M >= 65536 and not hot else "fused3"
     # Per entry: dh = dy . w_down + grad_l1 / M * sign(h); d_gate = dh * u; d_up = dh * g; h. Then dx, the
     # longest kernel that needs no CSC, so the host issues the CSC's small ops while it runs.
@@ -534,7 +534,7 @@ class _EagerFFN(torch.autograd.Function):
     (dispatcher round trips, a generated autograd.Function, output aliasing checks): ~30 us less host
     time per step on a CPU box, more on the H200 hosts, where an eager step is host-bound (the forward's
     host time outside the kernels' wrappers: 290 us with the custom op, 245 us with this Function, two
-    nodes of NOTES_TRAIN.md round 11). torch.compile traces the custom ops."""
+    nodes of NOTES_TRAIN round 11). torch.compile traces the custom ops."""
 
     @staticmethod
     def forward(x, w_gate, w_up, w_down, key, hot_units):

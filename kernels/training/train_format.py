@@ -18,7 +18,7 @@ kernel reads or writes past it, and the count travels to host memory behind the 
 (`pending`). The caller reads it once it has issued its work and redoes the call exactly if the
 entries did not fit (a miss costs one more pass; a wrong result is never returned). The host thus
 issues the layer while the gate GEMM runs instead of waiting for it: the step at 16k tokens is
-host-bound on an H200 (kernels/NOTES_TRAIN.md).
+host-bound on an H200 (docs/KERNELS.md).
 """
 
 from __future__ import annotations

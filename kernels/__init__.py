@@ -2,9 +2,9 @@
 
 from . import reference, synthetic
 from .gate import TwELLGate, twell_gate
-from .inference import InferenceStats, twell_ffn_inference, unit_order
+from .inference.inference import InferenceStats, twell_ffn_inference, unit_order
 from .reference import FFNOutput
-from .train import twell_ffn
+from .training.train import twell_ffn
 
 __all__ = [
     "FFNOutput",

@@ -1,7 +1,7 @@
 """Positive bitmasks of the gate: one int32 word per (row, 32 columns), bit c % 32 of word c // 32 set
 iff h[row, c] > 0, as the dense_bits GEMM epilogue writes it (kernels/gate_gemm.py).
 
-Popcount and word loading shared by the compactions (kernels/gate_compact.py, kernels/train_format.py),
+Popcount and word loading shared by the compactions (kernels/gate_compact.py, kernels/training/train_format.py),
 the torch-only packing used as a fallback and as the tests' reference, each unit's positives over a
 batch (count_fires) and the K most frequent units (select_hot_units), both without a host sync.
 """

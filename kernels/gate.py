@@ -43,7 +43,7 @@ class HotGate(NamedTuple):
 def default_tile_n(M: int, F: int) -> int:
     """Format width of twell_gate: 256 (the paper's) for large batches; narrower tiles give small batches
     more programs (32 at M <= 64). The FFN's decode path picks its own format
-    (kernels.inference.DECODE_TILE_N: 64-wide tiles measured faster there, NOTES.md round 13)."""
+    (kernels.inference.inference.DECODE_TILE_N: 64-wide tiles measured faster there, NOTES round 13)."""
     if interpreting():
         return 64
     if M >= 2048 and F >= 2048:
@@ -203,7 +203,7 @@ def _twell_gate(x, w_gate, slots, tile_n, zero=None) -> TwELLGate:
 
 def relu_gate_bits(x: torch.Tensor, w_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = relu(x @ w_gate^T) [M, F] in x's dtype, its positive bitmask int32 [M, F // 32]) from one
-    GEMM (the dense_bits epilogue): the first pass of the training op's gate (kernels/train_format.py
+    GEMM (the dense_bits epilogue): the first pass of the training op's gate (kernels/training/train_format.py
     compacts it into a CSR). F must be a multiple of 32."""
     check_x_weight(x, w_gate, "w_gate")
     check_kernel_device(x)

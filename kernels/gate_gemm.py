@@ -360,7 +360,7 @@ def _relu_bits_store(acc, h_desc, bits_ptr, pid_m, pid_n, M, W, BLOCK_M: tl.cons
 def _relu_bits_persistent_kernel(
     x_desc, w_desc, h_desc, bits_ptr, M, F, M_BUCKET, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
-    SPLIT_STORE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    SPLIT_STORE: tl.constexpr, FLATTEN: tl.constexpr, WHILE_LOOP: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """h = relu(x @ w^T) [M, F] and its positive bitmask [M, F // 32]; x [M, D] and w [F, D] through
@@ -382,9 +382,7 @@ def _relu_bits_persistent_kernel(
         # The epilogue's tile id advances on its own counter (as in Triton's persistent matmul): with
         # a flattened loop the pipeliner may run the next tile's loads before this epilogue.
         tile_c = tl.program_id(0) - NUM_PROGS
-        for tile_id in tl.range(
-            tl.program_id(0), n_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPEC
-        ):
+        for tile_id in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=FLATTEN):
             pid_m, pid_n = _grouped_tile(tile_id, n_m, n_n, GROUP_M)
             acc = _gate_tile_tma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, D, BLOCK_M, BLOCK_N, BLOCK_K,
                                  DOT_FP32, PRECISION)  # fmt: skip
@@ -401,22 +399,23 @@ def _persistent_set_blocks(nargs):
     nargs["h_desc"].block_shape = [bm, bn // 2 if nargs["SPLIT_STORE"] else bn]
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split store, flatten, warp specialize): the best three of
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split store, flatten): the best three of
 # the bench_gate.py --bits-gemm sweep on an H200 (docs/results/bench_bits_gemm_round10.txt; 16384 x
 # 2048 x 5632: 0.551 / 0.530 / 0.533 ms against 0.599 for the tile-per-program kernel and 0.490 for
 # cuBLAS without any epilogue; 131072: 4.466 / 4.600 / 5.100 against 4.818 and 4.356). Four stages of
-# 128x256x64 do not fit in shared memory next to the store buffer; warp specialization gained nothing.
+# 128x256x64 do not fit in shared memory next to the store buffer; warp specialization (tl.range's
+# warp_specialize, removed) gained nothing.
 PERSISTENT_CONFIGS = [
-    (128, 256, 64, 8, 3, True, True, False),
-    (128, 256, 64, 8, 3, True, False, False),
-    (128, 128, 64, 8, 5, True, True, False),
+    (128, 256, 64, 8, 3, True, True),
+    (128, 256, 64, 8, 3, True, False),
+    (128, 128, 64, 8, 5, True, True),
 ]
 _persistent_tuned: dict = {}
 
 
 def _persistent_config(cfg) -> triton.Config:
-    bm, bn, bk, warps, stages, split, flatten, ws = cfg
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_STORE=split, FLATTEN=flatten, WARP_SPEC=ws)
+    bm, bn, bk, warps, stages, split, flatten = cfg
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_STORE=split, FLATTEN=flatten)
     return triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_persistent_set_blocks)
 
 
@@ -436,7 +435,7 @@ def launch_relu_bits_persistent(x, w, h, bits, config=None) -> None:
         n_progs = 3  # fewer programs than tiles: every program walks several
         _relu_bits_persistent_kernel[(n_progs,)](
             *descs, bits, M, F, 0, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, NUM_PROGS=n_progs,
-            SPLIT_STORE=True, FLATTEN=False, WARP_SPEC=False, WHILE_LOOP=True, DOT_FP32=dot_in_fp32(x.dtype),
+            SPLIT_STORE=True, FLATTEN=False, WHILE_LOOP=True, DOT_FP32=dot_in_fp32(x.dtype),
             PRECISION=dot_precision(x.dtype),
         )  # fmt: skip
         return

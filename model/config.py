@@ -55,7 +55,7 @@ class ModelConfig:
     twell_threshold: float = 50.0  # "auto": a layer goes sparse while mean active units/token < this
     twell_check_interval: int = 20  # "auto": optimizer steps between routing re-checks (trainer)
     # TwELL: the K most-firing units of a batch on dense GEMMs (0: off; None: the kernels' default,
-    # 1024 from 16384 tokens per call on a GPU; kernels/NOTES*.md measure it)
+    # 1024 from 16384 tokens per call on a GPU; docs/KERNELS.md)
     twell_hot_units: int | None = None
     name: str = ""  # preset name, "" for a custom shape
 

@@ -5,7 +5,7 @@
 At 1-64 tokens the TwELL gate is a GEMV over w_gate ([d_ff, d_model] bf16: 23 MB at 5632 x 2048).
 Each operation below runs once per layer in one CUDA graph of --layers layers, each on its own copy
 of the weight (do_bench flushes L2 before each replay, so every layer reads from HBM), as
-bench_ffn.py times decode ('twell/L'): the TwELL decode gate (kernels.inference's format), cuBLAS
+bench_ffn.py times decode ('twell/L'): the TwELL decode gate (kernels.inference.inference's format), cuBLAS
 x @ w^T, a full fp32 sum of w (a pure read) and a copy of w (a read plus a write). Prints us per
 layer and the HBM rate each reaches on w's bytes (the copy: read + written), and writes JSON.
 """
@@ -19,7 +19,7 @@ import torch
 from benchlib import timed_layers, write_results
 
 from twell.kernels import twell_gate
-from twell.kernels.inference import DECODE_SLOTS, DECODE_TILE_N
+from twell.kernels.inference.inference import DECODE_SLOTS, DECODE_TILE_N
 from twell.kernels.synthetic import paper_like_ffn_inputs
 
 

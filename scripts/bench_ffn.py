@@ -45,7 +45,7 @@ from benchlib import (
 
 from twell.kernels import twell_ffn_inference, twell_gate
 from twell.kernels.gate import relu_gate_bits, twell_gate_hot
-from twell.kernels.inference import (
+from twell.kernels.inference.inference import (
     DECODE_MAX_TOKENS,
     DECODE_SLOTS,
     DECODE_TILE_N,
@@ -55,7 +55,7 @@ from twell.kernels.inference import (
     decode_split,
     default_fused_tokens,
 )
-from twell.kernels.prefix import gated_up
+from twell.kernels.inference.prefix import gated_up
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
 
 GRAPH_MAX_TOKENS = 64
@@ -260,7 +260,7 @@ def main(argv=None):
         type=int,
         nargs="*",
         default=[0],
-        help="consumer programs per row, M <= 64 (0: the default, kernels.inference.decode_split)",
+        help="consumer programs per row, M <= 64 (0: the default, kernels.inference.inference.decode_split)",
     )
     p.add_argument(
         "--no-fused",

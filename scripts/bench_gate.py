@@ -140,17 +140,16 @@ def bench_shape(M, D, F, rep, variants, hot_units=(256, 512)):
     return out
 
 
-# The persistent dense_bits sweep: the library's configs plus a few that may not compile or fit (warp
-# specialization, deeper pipelines, 256-row tiles, no flattening); each is checked against the
+# The persistent dense_bits sweep: the library's configs plus a few that may not compile or fit (deeper
+# pipelines, 256-row tiles, no flattening); each is checked against the
 # tile-per-program kernel's h and bitmask.
 SWEEP_CONFIGS = PERSISTENT_CONFIGS + [
-    (128, 256, 64, 8, 4, True, True, False),
-    (128, 128, 64, 8, 4, True, True, False),
-    (128, 256, 64, 8, 3, False, True, False),
-    (128, 256, 64, 8, 3, True, False, True),
-    (128, 128, 128, 8, 3, True, True, False),
-    (256, 128, 64, 8, 3, True, True, False),
-    (128, 256, 128, 8, 2, True, True, False),
+    (128, 256, 64, 8, 4, True, True),
+    (128, 128, 64, 8, 4, True, True),
+    (128, 256, 64, 8, 3, False, True),
+    (128, 128, 128, 8, 3, True, True),
+    (256, 128, 64, 8, 3, True, True),
+    (128, 256, 128, 8, 2, True, True),
 ]
 
 
@@ -190,8 +189,8 @@ def bench_bits_gemm(M, D, F, rep) -> list[dict]:
         lambda: _launch_gemm(x, wg, bits_ref, bits_ref, h_ref, tile_n, 32, "dense_bits", h_ref),
     )
     for cfg in SWEEP_CONFIGS:
-        name = "persistent {}x{}x{} w{} s{}{}{}{}".format(
-            *cfg[:5], " split" if cfg[5] else "", " flat" if cfg[6] else "", " ws" if cfg[7] else ""
+        name = "persistent {}x{}x{} w{} s{}{}{}".format(
+            *cfg[:5], " split" if cfg[5] else "", " flat" if cfg[6] else ""
         )
         h.fill_(float("nan"))
         row(name, lambda c=cfg: launch_relu_bits_persistent(x, wg, h, bits, config=c), config=list(cfg))

@@ -1,4 +1,4 @@
-"""A/B of the row kernels' long-row programs (kernels/train_rowfwd.py) on one GPU.
+"""A/B of the row kernels' long-row programs (kernels/training/train_rowfwd.py) on one GPU.
 
     python scripts/bench_long_rows.py                                  # inference 4096 16384 131072, train 16384
     python scripts/bench_long_rows.py --tokens 16384 --prefix 512 --train-tokens --out long_rows.json
@@ -7,8 +7,8 @@
 The row kernels walk each token row's sparse entries serially; a row with many entries (paper-like
 inputs: 0.2% dense rows with ~300 cold entries where the mean is ~12) launched late can decide when the
 kernel ends. With long-row programs ('on', the default) such rows start first; 'off' walks every row in
-row order (kernels.train_rowfwd.set_long_rows(False)); --limits sets the threshold of 'on'
-(kernels.train_rowfwd.LONG_ROW, rows with more entries are long). Per shape and setting, on paper-like inputs
+row order (kernels.training.train_rowfwd.set_long_rows(False)); --limits sets the threshold of 'on'
+(kernels.training.train_rowfwd.LONG_ROW, rows with more entries are long). Per shape and setting, on paper-like inputs
 (d_model 2048, d_ff 5632):
 
 * inference (twell_ffn_inference, csr schedule, hot prefix P; units stored most-firing first on 4096
@@ -48,9 +48,10 @@ from benchlib import (
     write_results,
 )
 
-from twell.kernels import train_rowfwd, twell_ffn_inference
+from twell.kernels import twell_ffn_inference
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
-from twell.kernels.train import hot_units_for
+from twell.kernels.training import train_rowfwd
+from twell.kernels.training.train import hot_units_for
 
 SETTINGS = ("off", "on")  # 'on' at LONG_ROW = --limit
 

@@ -6,7 +6,7 @@
 Per (tokens, P), on paper-like inputs (d_model 2048, d_ff 5632, units stored most-firing first on 4096
 untimed calibration rows, as bench_ffn.py --hot-prefix does), every time replayed from a CUDA graph:
 'cublas' = x @ w_up[:P]^T alone, 'cublas+mul' = that times h's strided prefix (two kernels),
-'ptr' / 'tma' = gated_up with pointer loads or TMA descriptors (kernels.prefix.set_gated_up_loads),
+'ptr' / 'tma' = gated_up with pointer loads or TMA descriptors (kernels.inference.prefix.set_gated_up_loads),
 and the whole FFN (twell_ffn_inference, hot_prefix=P) with each of the two against dense cuBLAS.
 Every output is checked against a float32 reference (gated_up: max relative error per row; the FFN:
 per row, < 1e-2 both).
@@ -20,8 +20,9 @@ import sys
 import torch
 from benchlib import ROW_TOLERANCE, ordered_inputs, row_errors, timed, write_results
 
-from twell.kernels import prefix, twell_ffn_inference
+from twell.kernels import twell_ffn_inference
 from twell.kernels.gate import relu_gate_bits
+from twell.kernels.inference import prefix
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
 
 LOADS = ("ptr", "tma")

@@ -51,7 +51,7 @@ from benchlib import train_step as _step
 from benchlib import twell_y_l1 as _twell_y_l1
 
 from twell.kernels.synthetic import paper_like_ffn_inputs
-from twell.kernels.train import (
+from twell.kernels.training.train import (
     BACKWARD_VARIANTS,
     SIZES,
     deferred_sizes,

@@ -25,10 +25,10 @@ import triton
 from twell.kernels._common import check_ffn_args
 from twell.kernels.bitmask import count_fires
 from twell.kernels.gate import relu_gate_bits
-from twell.kernels.inference import unit_order
+from twell.kernels.inference.inference import unit_order
 from twell.kernels.reference import relu_ffn_inference as dense_ffn
 from twell.kernels.synthetic import paper_like_ffn_inputs
-from twell.kernels.train import set_sizes, static_misses, twell_ffn
+from twell.kernels.training.train import set_sizes, static_misses, twell_ffn
 
 # ---- timing ---------------------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ def l1_grad(device) -> torch.Tensor:
     return _L1_GRAD[device]
 
 
-# The open kernels.train.DeferredSizes of a step timed under deferred sizes (bench_train --sizes
+# The open kernels.training.train.DeferredSizes of a step timed under deferred sizes (bench_train --sizes
 # deferred): each step settles it, as the trainer does. None: nothing to settle.
 SETTLE: list = [None]
 

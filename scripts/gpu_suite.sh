@@ -108,7 +108,7 @@ stage_prefix() {  # the hot prefix (units stored most-firing first, the first P 
 
 stage_gatedup() {  # the prefix's gated GEMM through TMA or pointer loads, alone and inside the FFN
   timeout 300 python3 scripts/bench_prefix.py --out "$OUT/bench_prefix_loads.json" 2>&1 | tee "$OUT/bench_prefix_loads.txt"
-  timeout 200 python3 -m pytest -q tests/kernels/test_prefix.py tests/kernels/test_rowfwd.py 2>&1 | tail -3
+  timeout 200 python3 -m pytest -q tests/kernels/inference/test_prefix.py tests/kernels/training/test_rowfwd.py 2>&1 | tail -3
 }
 
 stage_gputests() {

@@ -1,6 +1,6 @@
 """Registers and spills of the row kernels' autotune configs on a GPU architecture, without a GPU.
 
-Each autotune config of kernels/train_rowfwd.py is compiled for the target (sm_90 by default) with
+Each autotune config of kernels/training/train_rowfwd.py is compiled for the target (sm_90 by default) with
 Triton's bundled ptxas and read back with its cuobjdump, for the three ways the kernels run: the training
 forward (u stored, L1), inference (entries past the capacity read from h) and the backward's dx pass.
 A config that spills (STACK > 0) or needs so many registers that one program fills an SM costs
@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from twell.kernels import train_rowfwd as rf
+from twell.kernels.training import train_rowfwd as rf
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 REGS_PER_SM = 65536

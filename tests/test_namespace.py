@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("kernels", "model", "data", "training", "eval")
 
@@ -50,7 +52,7 @@ def test_twell_kernels_work_from_a_folder_outside_the_project(tmp_path):
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(b.l1, a.l1, atol=1e-4, rtol=1e-4)
         assert torch.equal(b.stats.unit_fires, a.stats.unit_fires)
-        import twell.kernels.train as kt
+        import twell.kernels.training.train as kt
         import pathlib
         assert pathlib.Path(kt.__file__).resolve().is_relative_to({str(ROOT)!r}), kt.__file__
         spec = importlib.util.find_spec("kernels")
@@ -88,3 +90,18 @@ def test_trainer_imports_beside_transformers_and_hub_kernels_from_the_project_ro
     )
     line = next(line for line in out.splitlines() if line.startswith("kernels:"))
     assert str(ROOT / "kernels") not in line, line
+
+
+def test_every_package_folder_is_listed_for_a_non_editable_install():
+    """setuptools installs only the packages pyproject lists: a subpackage (kernels/inference/, ...)
+    missing there imports from the checkout and fails from an installed wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        "twell." + ".".join(init.parent.relative_to(ROOT).parts)
+        for part in PARTS
+        for init in (ROOT / part).rglob("__init__.py")
+    }
+    assert found == listed, (
+        f"add to [tool.setuptools] packages: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+    )

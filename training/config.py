@@ -94,7 +94,7 @@ class TrainConfig:
     # model.ffn_impl=auto on a GPU: compile and autotune the sparse FFN path before step 1, so the switch
     # of layers to it costs nothing mid-run (Trainer._warm_sparse_path)
     warm_up: bool = True
-    # How the TwELL training op sizes each layer's entry list (kernels/train.py, SIZES): estimate (each
+    # How the TwELL training op sizes each layer's entry list (kernels/training/train.py, SIZES): estimate (each
     # sparse layer reads its count back after issuing its forward: one host sync a layer) | deferred (no
     # layer waits; the step's counts are checked once before the optimizer step, a step that missed is
     # redone). One H200, paper_0.5b, 16k-token steps: estimate 171k tokens/s, deferred 136k, dense 144k

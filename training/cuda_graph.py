@@ -2,7 +2,7 @@
 
 Why: an eager micro-batch issues every kernel from Python, tens of microseconds of host time each.
 A TwELL layer issues ~50 of them for ~2 ms of GPU work at 16k tokens, so on the H200 nodes an eager
-step waits on the host (kernels/NOTES_TRAIN.md). A replay issues the whole micro-batch at once.
+step waits on the host (docs/KERNELS.md). A replay issues the whole micro-batch at once.
 
 What is captured: the model's forward under bf16 autocast, CE (fp32) + l1_coef * L1 with l1_coef a
 device scalar refilled each step, and the backward, which accumulates into the parameters' .grad.
@@ -10,14 +10,14 @@ Those gradient tensors are static: allocated before the capture and zeroed in pl
 (never set to None). Not captured: the host-to-device batch copy (copied into static input buffers),
 clipping, AdamW, dead-unit re-initialisation (all in place on the same parameters) and the statistics.
 
-TwELL layers inside the capture take fixed entry capacities (kernels.train sizes "static": the
+TwELL layers inside the capture take fixed entry capacities (kernels.training.train sizes "static": the
 count of the warm-up call plus a margin). A micro-batch whose entries do not fit its capacity gives
-wrong results and is counted on the device (kernels.train.static_misses). The trainer reads that
+wrong results and is counted on the device (kernels.training.train.static_misses). The trainer reads that
 count once per step, before clipping and the optimizer: when it is non-zero, the step's gradients
 and statistics are dropped, the step is redone eagerly (which records the larger counts), and the
 graph is captured again on the next step. Nothing wrong reaches the weights.
 
-The capacities' headroom over the warm-up's counts starts at kernels.train's 1/8 and doubles (up to
+The capacities' headroom over the warm-up's counts starts at kernels.training.train's 1/8 and doubles (up to
 2, i.e. three times the count) after each step with a miss, so a layer whose count keeps swinging
 (early training, dead units re-initialised) stops missing after a few steps; each size check that
 finds a clean step halves it back toward 1/8 (a wide capacity costs work: the sparse kernels' grids
@@ -74,7 +74,7 @@ class GraphedMicroStep:
         world_size: int = 1,
         stream: torch.cuda.Stream | None = None,
     ):
-        import twell.kernels.train as kt  # CUDA only: triton is there
+        import twell.kernels.training.train as kt  # CUDA only: triton is there
 
         self._kt = kt
         self.params, self.loss_fn, self.grad_accum, self.device = params, loss_fn, grad_accum, device

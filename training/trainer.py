@@ -263,7 +263,7 @@ class Trainer:
         if tcfg.twell_sizes == "deferred" and mcfg.ffn_impl != "dense" and not tcfg.cuda_graph:
             # where the kernels run: CUDA, or the CPU under Triton's interpreter (the tests)
             if self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-                import twell.kernels.train as kt
+                import twell.kernels.training.train as kt
 
                 self._kt = kt
         self.twell_redos = 0
@@ -408,7 +408,7 @@ class Trainer:
     def _warm_sparse_path(self) -> None:
         """model.ffn_impl=auto on a GPU: before the first step, the sparse path is run once so that its
         first use, when layers switch, costs nothing visible: the TwELL kernels are compiled and autotuned
-        on paper-like activity at this run's tokens per micro-batch (kernels.train.warm_up), then one
+        on paper-like activity at this run's tokens per micro-batch (kernels.training.train.warm_up), then one
         micro-batch of random tokens goes forward and backward with every FFN sparse, which compiles the
         blocks' sparse variant under train.compile. No gradient is synchronised or kept, no optimizer or
         data state moves, and the global RNG is untouched: the run is the same as without it."""
@@ -423,7 +423,7 @@ class Trainer:
             return
         if all(routing):  # resumed with every layer sparse already: no switch ahead
             return
-        from twell.kernels.train import forget_sizes, warm_up
+        from twell.kernels.training.train import forget_sizes, warm_up
 
         tokens = tcfg.micro_batch * tcfg.seq_len
         kernel_s = warm_up(tokens, mcfg.d_model, mcfg.d_ff, self.device, hot_units=mcfg.twell_hot_units)

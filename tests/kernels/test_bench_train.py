@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from twell.eval.activity import ActivityMeter, dump_ffn_inputs
-from twell.kernels.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
+from twell.kernels.training.train import BACKWARD_VARIANTS, set_backward_variant, twell_ffn
 from twell.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -103,7 +103,7 @@ def test_twell_path_matches_dense_outputs_l1_stats_and_grads(hot_units, monkeypa
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     taken = []  # hot units each training call used: the config must reach the kernel
     choose = kt.hot_units_for
@@ -134,7 +134,7 @@ def test_twell_entry_count_history_is_keyed_by_the_parameter_under_autocast():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ffn_module.kernels_usable(torch.zeros(1)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     torch.manual_seed(0)
     ffn = ReLUGatedFFN(64, 128, impl="twell").to(device)

@@ -103,7 +103,7 @@ def test_graphed_steps_match_eager_steps(offline_data, tmp_path, ffn_impl):
 def test_a_capacity_miss_redoes_the_step_eagerly(offline_data, tmp_path, monkeypatch):
     """Capacities far below the entry count: every graphed step misses, is redone eagerly and the
     graph is captured again with twice the headroom; the losses are the eager run's."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     steps = 3
     extra = (*SIZES, "model.ffn_impl=twell")
@@ -122,7 +122,7 @@ def test_oversized_capacities_are_captured_anew(offline_data, tmp_path, monkeypa
     """Every model.twell_check_interval steps the graph's TwELL capacities are compared with the last
     replay's entry counts; an oversized one (here: every check says so) is captured anew at the next
     step, and training goes on as the eager run."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     steps = 6
     extra = (*SIZES, "model.ffn_impl=twell", "model.twell_check_interval=2")
@@ -148,7 +148,7 @@ def _ddp_rank(rank: int, port: int, overrides: list[str], out: str, shared_gpu: 
     )  # fmt: skip
     import torch.distributed as dist
 
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
     from twell.training.distributed import destroy
 
     if shared_gpu:  # NCCL wants a GPU per rank; init_distributed keeps a group that already exists

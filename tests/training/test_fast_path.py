@@ -1,4 +1,4 @@
-"""The sparse path is ready before layers switch to it: kernels.train.warm_up and the trainer's warm-up
+"""The sparse path is ready before layers switch to it: kernels.training.train.warm_up and the trainer's warm-up
 of model.ffn_impl=auto change nothing of the run but when its costs are paid."""
 
 import pytest
@@ -8,7 +8,7 @@ from trainer_helpers import compose_job, tiny_overrides, train
 from twell.kernels import twell_ffn
 from twell.kernels.reference import relu_ffn
 from twell.kernels.synthetic import paper_like_ffn_inputs
-from twell.kernels.train import warm_up
+from twell.kernels.training.train import warm_up
 
 
 def test_kernel_warm_up_runs_forward_and_backward_and_leaves_the_op_exact():
@@ -92,8 +92,8 @@ def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same
     settled once before the optimizer step. With capacities far too small, every step after the first
     (whose calls are exact: no history yet) misses, is redone and counted, and the run trains exactly
     the steps of the run whose capacities fit. (That deferred calls equal exact ones is
-    tests/kernels/test_train.py's.) The default, estimate, has no step-level check."""
-    import twell.kernels.train as kt
+    tests/kernels/training/test_train.py's.) The default, estimate, has no step-level check."""
+    import twell.kernels.training.train as kt
 
     def build(name, *more):
         extra = ("model.ffn_impl=twell", "train.compile=false", "train.global_batch_tokens=128", *more)

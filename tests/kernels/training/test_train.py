@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twell.kernels import train_sparse
 from twell.kernels.reference import relu_ffn
 from twell.kernels.synthetic import (
     make_rows_dense,
@@ -18,7 +17,8 @@ from twell.kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from twell.kernels.train import (
+from twell.kernels.training import train_sparse
+from twell.kernels.training.train import (
     BACKWARD_VARIANTS,
     hot_units_for,
     set_backward_variant,
@@ -26,7 +26,7 @@ from twell.kernels.train import (
     set_streams,
     twell_ffn,
 )
-from twell.kernels.train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
+from twell.kernels.training.train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -239,7 +239,7 @@ def test_compiles_without_graph_breaks():
 
 
 def test_custom_ops_pass_opcheck():
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     inputs = [t.requires_grad_() for t in _inputs(10, 64, 128, torch.float32)]
     key = inputs[1]  # the layer's w_gate keys its entry-count history
@@ -328,7 +328,7 @@ def test_length_bucket_tuning_builds_columns_of_each_bucket_length(monkeypatch):
 def test_warm_up_tunes_every_column_length_bucket_on_gpu():
     """After kernels.train.warm_up no mean-column-length bucket of the column pass is left to be timed
     mid-run (each cost ~4 s of stall when first met by a training run)."""
-    from twell.kernels.train import warm_up
+    from twell.kernels.training.train import warm_up
 
     warm_up(16384, 2048, 5632, "cuda")
     tuned = {key[:3] for key in train_sparse._segment_axpy_kernel.cache}
@@ -338,7 +338,7 @@ def test_warm_up_tunes_every_column_length_bucket_on_gpu():
 def test_work_list_kernel_matches_the_torch_build(monkeypatch):
     """The single-program work list (item and partial pointers, item -> segment) equals the torch-op
     build used past WORK_LIST_MAX_SEGMENTS, on empty, short and multi-chunk segments."""
-    import twell.kernels.train_sparse as ts
+    import twell.kernels.training.train_sparse as ts
 
     lens = torch.tensor([0, 3, 17, 0, 40, 8, 1, 33], dtype=torch.int32)
     seg_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)]).to(DEVICE)
@@ -385,7 +385,7 @@ def test_build_pattern_matches_a_torch_build_over_many_programs(hot):
     """The row scan (row_active, row_ptr, the entry total by atomics over many programs), the CSR and
     the hot split against the same quantities built with torch ops, dense and silent rows included."""
     from twell.kernels.bitmask import pack_positive_bits, select_hot_units
-    from twell.kernels.train_format import build_pattern
+    from twell.kernels.training.train_format import build_pattern
 
     M, F = 300, 320
     gen = torch.Generator().manual_seed(_fresh_seed())
@@ -429,7 +429,7 @@ def test_pack_positive_bits_sets_bit_31():
 
 
 def test_to_csc_groups_entries_by_column_stably():
-    from twell.kernels.train_format import to_csc
+    from twell.kernels.training.train_format import to_csc
 
     n, F = 300, 40
     rows = torch.arange(n, dtype=torch.int32) // 3
@@ -532,7 +532,7 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     count plus a margin and check it only after issuing the forward. A fit gives bit-identical results
     to exact sizes; too few slots (or a batch with many more positives) redo the call exactly (right
     answer) and reset the estimate."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 37, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
@@ -595,7 +595,7 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
 def test_capacity_headroom_widens_the_sized_capacity_inside_the_block_only():
     """A graph's owner captures with a wider headroom after misses; the eager default is 1/8 + 2048
     slots in 1024 steps, and a headroom outside [0, MAX_HEADROOM] is refused with the range."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     assert kt._with_margin(80_000) == (80_000 + 10_000 + 2048) // 1024 * 1024
     with kt.capacity_headroom(1.0):
@@ -615,7 +615,7 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, var
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
     size, nothing read back. The unused slots must contribute nothing to y, l1 and the four gradients;
     a call whose entries do not fit is counted in static_misses; dense rows that fit are exact."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 41, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
@@ -665,7 +665,7 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, var
 
 
 def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     monkeypatch.setattr(kt, "_capturing", lambda x: True)
     inputs = _inputs(9, 64, 128, torch.float32)
@@ -677,7 +677,7 @@ def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
 def test_static_calls_record_their_capacity_and_true_entry_count(hot):
     """record_static_sizes: what a CUDA graph's owner reads to find capacities far above the layers'
     current counts (oversized). The recorded count is the call's cold entries, as an eager call's."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 33, 64, 256
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=8.0)
@@ -715,8 +715,8 @@ def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, m
     its history and reads nothing back; settle() reads all counts at once, sizes the next calls from
     the largest, and says whether any call missed. A fit is exact; a miss is reported, and the same
     batch then fits (redone inside or outside the block, the results are exact)."""
-    import twell.kernels.train as kt
-    from twell.kernels.train_format import PendingTotals
+    import twell.kernels.training.train as kt
+    from twell.kernels.training.train_format import PendingTotals
 
     M, D, F = 41, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
@@ -757,7 +757,7 @@ def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, m
 
 
 def test_deferred_miss_left_unsettled_raises_and_settle_reduces_a_flag():
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 33, 64, 128
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
@@ -786,7 +786,7 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
     sparsity changing between steps recompiles nothing."""
     import torch._dynamo.testing
 
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 24, 64, 128
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
@@ -823,7 +823,7 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
 def test_training_step_replays_in_a_cuda_graph(hot):
     """Forward + backward captured in one CUDA graph (static sizes, no host sync) after eager calls:
     replays give the eager step's outputs and gradients, and count no miss."""
-    import twell.kernels.train as kt
+    import twell.kernels.training.train as kt
 
     M, D, F = 4096, 512, 2048
     inputs = _inputs(M, D, F, torch.bfloat16, mean_active=12.0)
@@ -893,7 +893,7 @@ def test_hot_units_on_a_side_stream_give_the_one_stream_results_bit_for_bit():
 
 
 def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():
-    from twell.kernels.train_format import build_pattern
+    from twell.kernels.training.train_format import build_pattern
 
     M, F = 50, 192
     h, bits = _random_gate(M, F, torch.Generator().manual_seed(_fresh_seed()), density=0.2)

@@ -30,13 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
-from .gate_gemm import gate_tile_preact
+from .._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
+from ..gate_gemm import gate_tile_preact
 
 FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
 # The last program's [M, d_model] read of y32 stays in registers (the default call stops earlier:
-# kernels.inference.default_fused_tokens).
+# kernels.inference.inference.default_fused_tokens).
 FUSED_MAX_TOKENS = 8
 
 

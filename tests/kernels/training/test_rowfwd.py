@@ -1,4 +1,4 @@
-"""The row kernels (kernels/train_rowfwd.py) alone against float64 on one CSR.
+"""The row kernels (kernels/training/train_rowfwd.py) alone against float64 on one CSR.
 
 Rows hold 0 to 19 entries, so the interpreter's config (CHUNK 8) walks rows of zero, one, a partial
 and three steps. Each test runs twice: with the default long-row threshold (no row is long) and with
@@ -9,7 +9,7 @@ two listed, and the other two stay with their own programs.
 import pytest
 import torch
 
-from twell.kernels import train_rowfwd as rf
+from twell.kernels.training import train_rowfwd as rf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = (0, 1, 5, 19, 9, 0, 13, 4)  # entries per row

@@ -3,7 +3,7 @@
 One program per token row walks the row's CSR entries CHUNK at a time and loads whole weight rows
 ([CHUNK, D]: w_up[unit] and w_down[unit], 4 KB each at D 2048, both issued before any math so their
 L2 latencies overlap), the schedule that reached ~4.3 TB/s of gathers in the inference kernel
-(kernels/inference.py). Unlike inference it also writes u per entry, which backward needs.
+(kernels/inference/inference.py). Unlike inference it also writes u per entry, which backward needs.
 
 Long rows first. A row's walk is serial, so a row with many entries (the dense first tokens of a
 sequence: ~300 cold entries where the mean is ~12) takes ~100 steps while most rows take a few;
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, next_pow2
+from .._common import interpreting, next_pow2
 from .train_sparse import _tuned
 
 LONG_ROW = 64  # a row with more CSR entries than this goes to a long-row program

@@ -18,7 +18,7 @@ kernel reads or writes past it, and the count travels to host memory behind the 
 (`pending`). The caller reads it once it has issued its work and redoes the call exactly if the
 entries did not fit (a miss costs one more pass; a wrong result is never returned). The host thus
 issues the layer while the gate GEMM runs instead of waiting for it: the step at 16k tokens is
-host-bound on an H200 (kernels/NOTES_TRAIN.md).
+host-bound on an H200 (docs/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, interpreting, next_pow2
-from .bitmask import _popc32, load_bit_words, select_hot_units
-from .gate_compact import _scatter_hot, _zero_rows
+from .._common import autotune, interpreting, next_pow2
+from ..bitmask import _popc32, load_bit_words, select_hot_units
+from ..gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 
@@ -74,7 +74,7 @@ class TrainPattern(NamedTuple):
     # pending.read() shows nnz <= capacity); None when exact or static (nothing is read back).
     pending: PendingTotals | None = None
     # The rows with more than LONG_ROW entries by row_ptr (clamped or not, as built), which the row
-    # kernels serve first (kernels/train_rowfwd.py; with no entries at all the list stays empty).
+    # kernels serve first (kernels/training/train_rowfwd.py; with no entries at all the list stays empty).
     long: LongRows | None = None
 
 
@@ -189,10 +189,10 @@ def build_pattern(
     back at all (the caller checks the device totals), and the slots past the entries hold row 0,
     column F (past the last unit: a column sort puts them last, outside every column) and gate 0 (no
     contribution; their rows are never read).
-    `inference` (with a capacity; kernels.inference's csr schedule): no host sync and no read-back, no
+    `inference` (with a capacity; kernels.inference.inference's csr schedule): no host sync and no read-back, no
     entry rows (`rows` is empty), no fill of unused slots, and row_ptr is NOT clamped: entries past the
     capacity are simply not written, and a row whose end lies past it is walked from h by the row
-    kernel (kernels/train_rowfwd.py): nothing is dropped."""
+    kernel (kernels/training/train_rowfwd.py): nothing is dropped."""
     M, F = h.shape
     W = F // 32
     device = h.device

@@ -2,7 +2,7 @@
 
 Three schedules (`schedule=`; the default picks by batch size):
 - "fused" (1-2 tokens by default, 1-4 from d_ff 8192; at most FUSED_MAX_TOKENS): the whole FFN in one kernel
-  (kernels/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
+  (kernels/inference/decode_fused.py): gate GEMV, gathers of the live units' rows and fp32 atomics into y, no
   format in memory and no second launch; y's last bit may vary run to run (the row schedule under
   torch.use_deterministic_algorithms(True)).
 - "row" (decode sizes, 3-64 tokens): the gate kernel writes the TwELL format from its epilogue and one
@@ -11,8 +11,8 @@ Three schedules (`schedule=`; the default picks by batch size):
   tiles (more positives than slots) are recomputed densely from x and w_gate inside the program. h is
   never in memory.
 - "csr" (above 64 tokens): the relu GEMM writes h densely with a positive bitmask; the bitmask is
-  compacted into a CSR of the positives (kernels/train_format.py, no host sync: a fixed capacity) and
-  the training op's row kernel walks each row's contiguous entries (kernels/train_rowfwd.py). Rows
+  compacted into a CSR of the positives (kernels/training/train_format.py, no host sync: a fixed capacity) and
+  the training op's row kernel walks each row's contiguous entries (kernels/training/train_rowfwd.py). Rows
   whose entries run past the capacity read the rest from h. Faster at large batches: no tile walk.
 
 Hot units (`hot_units=K`; by default only the row schedule from HOT_MIN_TOKENS tokens): the K units
@@ -23,7 +23,7 @@ sparse entries, and the row kernels start from y_hot. Exact for any choice of ho
 (The "block" union schedule lost everywhere on the H200 and was removed.)
 Under torch.compile a call with the default schedule is one custom op (`twell::ffn_inference`), so a
 compiled block is not cut at its FFN; eager calls launch the kernels directly.
-NOTES.md has the arithmetic.
+docs/KERNELS.md has the arithmetic.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .._common import (
     autotune,
     check_ffn_args,
     check_hot_prefix,
@@ -43,23 +43,23 @@ from ._common import (
     interpreting,
     next_pow2,
 )
-from .bitmask import count_fires
+from ..bitmask import count_fires
+from ..gate import _twell_gate, relu_gate_bits, twell_gate_hot
+from ..training.train_format import build_pattern, hot_split
+from ..training.train_rowfwd import row_ffn_inference
 from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_workspace
-from .gate import _twell_gate, relu_gate_bits, twell_gate_hot
 from .prefix import gated_up
-from .train_format import build_pattern, hot_split
-from .train_rowfwd import row_ffn_inference
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
 # row; "csr": the gate's positive bitmask compacted into a CSR of the cold positives (as the training
 # op builds it) walked by the training op's row kernel (contiguous entries: no tile walk). Default: row
 # at decode sizes (M <= DECODE_MAX_TOKENS: fused gate epilogue, graph-friendly), csr above; "fused"
-# (kernels/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
+# (kernels/inference/decode_fused.py): the whole FFN in one kernel for M <= FUSED_MAX_TOKENS, the default up to
 # default_fused_tokens(d_ff).
 SCHEDULES = ("row", "csr", "fused")
-DEFAULT_FUSED_TOKENS = 2  # H200, per layer in an 8-layer graph: NOTES.md round 16
+DEFAULT_FUSED_TOKENS = 2  # H200, per layer in an 8-layer graph: NOTES round 16
 # From this d_ff the fused kernel also wins at 4 tokens (H200, two nodes: 19.4 / 19.5 us a layer against
-# the row schedule's 21.2 / 21.2 at d_ff 8192; at 5632 the row schedule wins: NOTES.md rounds 16-17).
+# the row schedule's 21.2 / 21.2 at d_ff 8192; at 5632 the row schedule wins: NOTES rounds 16-17).
 WIDE_FUSED_D_FF = 8192
 WIDE_FUSED_TOKENS = 4
 
@@ -258,7 +258,7 @@ def decode_split(M: int) -> int:
     """Consumer programs per row at decode sizes (M <= DECODE_MAX_TOKENS), from H200 measurements
     (d_ff 5632, partial rows summed by the last program, per layer in an 8-layer CUDA graph, us at
     split 8 / 16: 1 token 20.2 / 21.0, 2: 17.8 / 18.8, 4: 22.0 / 19.9, 8: 21.2 / 19.4, 16: 26.7 / 22.8,
-    32: 24.0 / 23.1, 48: 28.7 / 27.2, 64: 28.3 / 29.3; split 32 never better; NOTES.md round 10):
+    32: 24.0 / 23.1, 48: 28.7 / 27.2, 64: 28.3 / 29.3; split 32 never better; NOTES round 10):
     16 from 4 to 48 tokens (too few rows to fill the SMs at 8), 8 otherwise."""
     if _settings["decode_split"] is not None:
         return _settings["decode_split"]
@@ -272,9 +272,9 @@ def set_decode_split(split: int | None) -> None:
     _settings["decode_split"] = None if split is None else int(split)
 
 
-# Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES.md: a unit is
+# Hot-unit split: from this many tokens on, the hot units are computed densely (NOTES round 4: a unit is
 # worth a tensor-core column when it fires on more than ~0.8% of tokens; under the paper-like
-# log-normal rates that is the top ~500-700 of 5632 units). Set by measurement (H200, NOTES.md
+# log-normal rates that is the top ~500-700 of 5632 units). Set by measurement (H200, NOTES
 # round 7, x dense for K = 0 / 512 / 1024 with the hot set counted exactly and chosen in one kernel):
 # 8192 tokens 0.93 / 0.77 / 0.79 (eager launch overhead of the extra kernels dominates), 16384 1.22 /
 # 1.36 / 1.39, 32768 1.29 / 1.40 / 1.43, 65536 1.24 / 1.36 / 1.36, 131072 1.40 / 1.58 / 1.59.
@@ -498,7 +498,7 @@ def _csr_schedule(x, w_gate, w_up, w_down, hot_units, hot_prefix, return_stats):
     M, F = x.shape[0], w_gate.shape[0]
     hot_units = check_hot_units(hot_units)
     # No hot units by default: the row kernel gathers cheaply enough that they stopped paying (H200,
-    # d_ff 5632, hot 0 / 1024: 1.082 / 1.072 ms at 16384 tokens, 7.694 / 7.858 ms at 131072; NOTES.md).
+    # d_ff 5632, hot 0 / 1024: 1.082 / 1.072 ms at 16384 tokens, 7.694 / 7.858 ms at 131072; NOTES round 9).
     K = min(0 if hot_units is None else hot_units, F)
     P = hot_prefix
     h, bits = relu_gate_bits(x, w_gate)  # dense relu'd gate + positive bitmask (persistent GEMM on Hopper)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import twell.kernels.train as kt
+import twell.kernels.training.train as kt
 from twell.model import ModelConfig, Transformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,13 +1,13 @@
 """The hot prefix's dense part: g * (x w_up[:P]^T) in one GEMM whose epilogue multiplies by the gate.
 
-With units stored most-firing first (kernels.inference.unit_order), the first P hidden units carry
+With units stored most-firing first (kernels.inference.inference.unit_order), the first P hidden units carry
 most of the positives (~58% at P = 512 of 5632 on paper-like activity) and are cheaper on tensor
 cores than gathered row by row. Their gate values are already in the relu GEMM's dense h, so
 y_hot = (h[:, :P] * (x w_up[:P]^T)) @ w_down[:P] needs no selection and no gathers. This kernel is
 its first product with the multiply folded into the epilogue (fp32 tile times the gate, rounded once),
 through TMA descriptors on Hopper (pointer loads elsewhere). Graph-replayed on an H200 at P 512: 60 us
 at 16384 tokens and 485 us at 131072, where cuBLAS plus a separate pass over h's strided prefix takes
-74 and 592 us, and pointer loads take 68 and 542 us (kernels/NOTES.md round 13). The second product
+74 and 592 us, and pointer loads take 68 and 542 us (NOTES round 13). The second product
 stays on cuBLAS, as an addmm onto the row kernel's output.
 """
 
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
-from .gate_gemm import _gate_tile_tma, _grouped_tile, gate_tile_preact
+from .._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
+from ..gate_gemm import _gate_tile_tma, _grouped_tile, gate_tile_preact
 
 
 @triton.jit

@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._common import check_ffn_args, check_hot_units, check_kernel_device
-from .bitmask import count_fires
-from .gate import relu_gate_bits
-from .inference import default_hot_units
-from .reference import FFNOutput
+from .._common import check_ffn_args, check_hot_units, check_kernel_device
+from ..bitmask import count_fires
+from ..gate import relu_gate_bits
+from ..inference.inference import default_hot_units
+from ..reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
@@ -50,7 +50,7 @@ from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy, tune_l
 #   "auto" (default): the measured best on an H200: split from 65536 tokens without hot units (round
 #             8: 11.12 vs fused3 11.71 ms at 64k), fused3 otherwise (64k with hot units: 9.13-9.65 vs
 #             split 10.25-10.91 ms in three runs; 16k: within run-to-run spread, so the simpler,
-#             fewer-launch variant; kernels/NOTES_TRAIN.md round 8).
+#             fewer-launch variant; NOTES_TRAIN round 8).
 BACKWARD_VARIANTS = ("fused3", "split")
 # Forward: u and y fused in one program per row loading whole weight rows (train_rowfwd.py).
 # Sizes of the entry list: "estimate" (default) sizes it from the layer's previous call plus a margin
@@ -240,7 +240,7 @@ def static_misses(device: torch.device | str) -> Tensor:
     return _misses[device]
 
 
-# Hot units, with inference's default (kernels.inference.default_hot_units: 1024 units from 16384
+# Hot units, with inference's default (kernels.inference.inference.default_hot_units: 1024 units from 16384
 # tokens on a GPU, measured best for both ops): the units that fire most often in the batch (exact
 # counts, one selection kernel) take every product on tensor cores (cuBLAS GEMMs on their gathered
 # weight rows: ~75% of the entries at paper-like skew with 1024 of 5632 units); the sparse kernels
@@ -442,7 +442,7 @@ def _(x, w_gate, w_up, w_down, key, hot_units):
 
 def _backward_variant(M: int, hot: bool) -> str:
     """The column pass's variant for M tokens: the setting, or under "auto" split only for large
-    batches without hot units (NOTES_TRAIN.md round 8)."""
+    batches without hot units (NOTES_TRAIN round 8)."""
     variant = _settings["backward"]
     if variant == "auto":
         variant = "split" if M >= 65536 and not hot else "fused3"
@@ -541,7 +541,7 @@ class _EagerFFN(torch.autograd.Function):
     (dispatcher round trips, a generated autograd.Function, output aliasing checks): ~30 us less host
     time per step on a CPU box, more on the H200 hosts, where an eager step is host-bound (the forward's
     host time outside the kernels' wrappers: 290 us with the custom op, 245 us with this Function, two
-    nodes of NOTES_TRAIN.md round 11). torch.compile traces the custom ops."""
+    nodes of NOTES_TRAIN round 11). torch.compile traces the custom ops."""
 
     @staticmethod
     def forward(x, w_gate, w_up, w_down, key, hot_units):
@@ -592,7 +592,7 @@ def warm_up(
     keyed by mean column length, which moves with activity: every one of its buckets is tuned here
     (train_sparse.tune_length_buckets), so that none is first met, and timed, in the middle of a run.
     Returns the seconds it took (synchronised)."""
-    from .synthetic import paper_like_ffn_inputs
+    from ..synthetic import paper_like_ffn_inputs
 
     device = torch.device(device)
     start = time.perf_counter()

@@ -11,7 +11,7 @@ train_rowfwd.py.)
   order), no atomics.
 
 Both run on CUDA cores: at ~0.5% density a tensor-core tile would be >99% zeros. They are bound by
-the bytes of the gathered rows (see kernels/NOTES_TRAIN.md).
+the bytes of the gathered rows (see docs/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, interpreting
+from .._common import autotune, interpreting
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
 ONE = 0  # out0 = sum c0 * src0[g]                              (dW_down alone)

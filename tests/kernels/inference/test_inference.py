@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from twell.kernels import decode_fused, twell_ffn_inference
+from twell.kernels import twell_ffn_inference
+from twell.kernels.inference import decode_fused
 from twell.kernels.synthetic import (
     make_rows_dense,
     make_rows_heavy_tailed,
@@ -208,7 +209,7 @@ def test_csr_schedule_matches_reference_on_hard_patterns(hot, M, D, F, dtype, po
     """schedule "csr": the bitmask CSR walked by the row kernel; dense, silent and heavy-tailed rows
     and an always-firing tile (a dense row is a long row). These small batches hold more positives
     than the CSR's capacity (32 slots a row at these d_ff): the rows past it are read from h."""
-    import twell.kernels.inference as ki
+    import twell.kernels.inference.inference as ki
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
@@ -227,7 +228,7 @@ def test_csr_schedule_matches_reference_on_hard_patterns(hot, M, D, F, dtype, po
 def test_csr_positives_past_the_capacity_are_read_from_h(hot, monkeypatch, poisoned_empty):
     """A CSR far too small for the batch: rows (and the tail of a row) past its slots are walked from
     the dense h by the row kernel, exactly, and counted in overflow_rows."""
-    import twell.kernels.inference as ki
+    import twell.kernels.inference.inference as ki
 
     seed = int(torch.randint(0, 2**31, ()).item())
     x, wg, wu, wd = _hard_inputs(67, 64, 320, torch.bfloat16, seed)
@@ -285,8 +286,8 @@ def test_csr_schedule_rejects_twell_options():
 
 def test_decode_split_default_and_override():
     """The consumer's programs per row at decode sizes: 16 from 4 to 48 tokens, 8 otherwise (H200
-    measurements in kernels.inference.decode_split); set_decode_split pins one, None restores it."""
-    from twell.kernels.inference import decode_split, set_decode_split
+    measurements in kernels.inference.inference.decode_split); set_decode_split pins one, None restores it."""
+    from twell.kernels.inference.inference import decode_split, set_decode_split
 
     assert [decode_split(M) for M in (1, 2, 3, 4, 16, 48, 49, 64)] == [8, 8, 8, 16, 16, 16, 8, 8]
     set_decode_split(32)
@@ -393,7 +394,7 @@ def test_fused_rejects_what_it_cannot_take():
 
 def _count_fused_calls(monkeypatch) -> list[int]:
     """The token counts of the calls that reach the fused kernel from here on (they still run)."""
-    from twell.kernels import inference
+    from twell.kernels.inference import inference
 
     calls = []
     real = inference.fused_ffn_decode
@@ -405,7 +406,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
     """Up to DEFAULT_FUSED_TOKENS tokens the default call is the fused kernel; past it, with a TwELL
     option, or under torch.use_deterministic_algorithms(True) the row schedule (and an explicit
     schedule='fused' is refused there, naming the fix)."""
-    from twell.kernels import inference
+    from twell.kernels.inference import inference
 
     monkeypatch.setattr(inference, "DEFAULT_FUSED_TOKENS", 2)
     x, wg, wu, wd = (t.to(DEVICE) for t in paper_like_ffn_inputs(3, 64, 192, dtype=torch.bfloat16, seed=5))
@@ -430,7 +431,7 @@ def test_default_schedule_takes_fused_up_to_its_bound(monkeypatch):
 def test_default_fused_bound_grows_with_d_ff(monkeypatch):
     """From WIDE_FUSED_D_FF units the default call takes the fused kernel up to WIDE_FUSED_TOKENS tokens
     (measured on the H200: d_ff 8192 at 4 tokens), below it up to DEFAULT_FUSED_TOKENS."""
-    from twell.kernels import inference
+    from twell.kernels.inference import inference
 
     assert inference.default_fused_tokens(5632) == 2 and inference.default_fused_tokens(8192) == 4
     monkeypatch.setattr(inference, "WIDE_FUSED_D_FF", 256)  # the rule at CPU-test widths

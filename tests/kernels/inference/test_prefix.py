@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from twell.kernels import prefix
-from twell.kernels.prefix import gated_up
+from twell.kernels.inference import prefix
+from twell.kernels.inference.prefix import gated_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, next_pow2
+from .._common import interpreting, next_pow2
 
 
 @triton.jit

@@ -1,0 +1,1 @@
+"""TwELL inference: the FFN forward schedules (row, csr, fused decode) and the prefix GEMM."""

@@ -1,0 +1,1 @@
+"""TwELL training: the autograd FFN op, its CSR format, and its sparse forward and backward kernels."""

@@ -25,6 +25,9 @@ class LayerKV(NamedTuple):
     v: torch.Tensor
     positions: torch.Tensor | None  # decode: int64 [B], each row's slot for its one new token; None: prefill
     mask: torch.Tensor | None  # decode: bool [B, 1, 1, max_len], the slots each row attends to
+    # Optional: this layer's q, k and v projections as one [(n_heads + 2 n_kv_heads) hd, d_model] weight
+    # (Decoder(fuse_qkv=True)): one GEMV a token where three read the same x (generation is bound by them).
+    qkv: torch.Tensor | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new k, v [B, n_kv_heads, S, head_dim]; return the keys and values to attend to
@@ -69,13 +72,20 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def prefill_views(self, batch: int) -> list[LayerKV]:
-        """Per layer, the first `batch` rows, written from slot 0 by a prefill."""
-        return [LayerKV(self.k[i, :batch], self.v[i, :batch], None, None) for i in range(self.k.shape[0])]
+    def prefill_views(self, batch: int, qkv: list[torch.Tensor] | None = None) -> list[LayerKV]:
+        """Per layer, the first `batch` rows, written from slot 0 by a prefill (qkv: per layer, the
+        fused projection weight, see LayerKV)."""
+        return [
+            LayerKV(self.k[i, :batch], self.v[i, :batch], None, None, None if qkv is None else qkv[i])
+            for i in range(self.k.shape[0])
+        ]
 
-    def decode_views(self, positions: torch.Tensor, mask: torch.Tensor) -> list[LayerKV]:
+    def decode_views(
+        self, positions: torch.Tensor, mask: torch.Tensor, qkv: list[torch.Tensor] | None = None
+    ) -> list[LayerKV]:
         """Per layer, the first len(positions) rows, written at `positions` by a one-token step."""
         batch = positions.shape[0]
         return [
-            LayerKV(self.k[i, :batch], self.v[i, :batch], positions, mask) for i in range(self.k.shape[0])
+            LayerKV(self.k[i, :batch], self.v[i, :batch], positions, mask, None if qkv is None else qkv[i])
+            for i in range(self.k.shape[0])
         ]

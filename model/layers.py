@@ -71,9 +71,20 @@ class Attention(nn.Module):
         kv: a KV cache layer (model/kv_cache.py) that the keys and values are written to; a decode
         step attends to the cache under its mask, a prefill causally to its own tokens."""
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if kv is not None and kv.qkv is not None:  # generation: one fused projection (same values)
+            q, k, v = F.linear(x, kv.qkv).split(
+                [
+                    self.n_heads * self.head_dim,
+                    self.n_kv_heads * self.head_dim,
+                    self.n_kv_heads * self.head_dim,
+                ],
+                dim=-1,
+            )
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = None
         if kv is not None:

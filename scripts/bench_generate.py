@@ -90,7 +90,9 @@ def run_variant(
 ) -> tuple[dict, list[list[int]]]:
     """Warm up, then the best of --repeats generate() calls; (row of figures, the greedy tokens)."""
     max_len = cache_len_for(model.cfg.max_seq_len, args.prompt_len, args.new_tokens)
-    decoder = Decoder(model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile)
+    decoder = Decoder(
+        model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile, fuse_qkv=args.fuse_qkv
+    )
     generate(model, prompts, WARM_TOKENS, decoder=decoder)
     runs = [generate(model, prompts, args.new_tokens, decoder=decoder) for _ in range(args.repeats)]
     best = min(runs, key=lambda run: run.decode_s)
@@ -100,6 +102,7 @@ def run_variant(
         "new_tokens": args.new_tokens,
         "graph": args.graph,
         "compiled": args.compile,
+        "fused_qkv": decoder._qkv is not None,
         "ttft_ms": min(run.time_to_first_token_s for run in runs) * 1e3,
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,
         "step_ms": best.decode_s / best.steps * 1e3,
@@ -242,6 +245,10 @@ def parse_args(argv=None):
         action="store_false",
         help="blocks as eager modules (no torch.compile)",
     )
+    p.add_argument(
+        "--no-fuse-qkv", dest="fuse_qkv", action="store_false", default=None,
+        help="q, k and v as three projections (default: one fused weight where compiled)",
+    )  # fmt: skip
     p.add_argument("--profile", default=None, help="folder: a per-kernel profile of the decode steps per row")
     p.add_argument(
         "--quick", action="store_true", help="CPU smoke test: small model, batch 1 2, 8 + 3 tokens"

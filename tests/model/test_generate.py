@@ -242,6 +242,29 @@ def test_compiled_decoder_equals_eager_and_compiles_one_block_for_every_layer():
     torch._dynamo.reset()
 
 
+def test_fused_qkv_projection_decodes_as_the_three_and_follows_weight_updates():
+    """Decoder(fuse_qkv=True) reads q, k and v as one weight: the same logits as the three projections,
+    and a weight changed in place after the decoder was built (an optimizer step) is picked up."""
+    model = make_model(6)
+    prompts = random_prompts([4, 7], SHAPE["vocab_size"], 6)
+
+    def decode(fuse_qkv, decoder=None):
+        decoder = decoder or Decoder(model, 2, 16, fuse_qkv=fuse_qkv)
+        logits = [decoder.prefill(prompts)]
+        for _ in range(3):
+            logits.append(decoder.step(logits[-1].argmax(-1)).clone())
+        return torch.stack(logits), decoder
+
+    fused, decoder = decode(True)
+    assert decoder._qkv is not None and decode(False)[1]._qkv is None
+    torch.testing.assert_close(fused, decode(False)[0], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        model.layers[1].attn.wk.weight.mul_(1.5)
+    refreshed = decode(True, decoder)[0]
+    torch.testing.assert_close(refreshed, decode(False)[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(refreshed, fused)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["dense", "twell"])
 def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):

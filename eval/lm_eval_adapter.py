@@ -144,30 +144,96 @@ class TwellLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy decoding until a stop string or max_gen_toks (no KV cache: meant for small runs)."""
-        out = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="lm-eval generate"):
+        """Continuations until a stop string, EOS or max_gen_toks, on the KV cache (model/generate.py):
+        batches of up to batch_size requests with the same generation settings, longest context first,
+        each context left-truncated to max_length - max_gen_toks; greedy unless do_sample. On CUDA the
+        decode steps are CUDA graphs of compiled blocks."""
+        from twell.model.generate import Decoder, generate
+
+        results: list[str | None] = [None] * len(requests)
+        keyed = []
+        for index, request in enumerate(requests):
             context, gen_kwargs = request.args
-            until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            tokens = self.tok_encode(context)[-self.max_length :] or [self.prefix_token_id]
-            generated: list[int] = []
-            text = ""
-            for _ in range(max_new):
-                window = (tokens + generated)[-self.max_length :]
-                next_token = int(self._logprobs([window])[0, -1].argmax())
-                if next_token == self.eot_token_id:
-                    break
-                generated.append(next_token)
-                text = self.tok_decode(generated)
-                if any(stop in text for stop in until):
-                    break
+            settings = _generation_settings(gen_kwargs, self.max_gen_toks, self.max_length)
+            settings["until"] = tuple(settings["until"] or (self.tok_decode([self.eot_token_id]),))
+            ids = self.tok_encode(context)[-(self.max_length - settings["max_new"]) :] or [
+                self.prefix_token_id
+            ]
+            keyed.append((repr(sorted(settings.items())), -len(ids), index, ids, settings))
+        keyed.sort(key=lambda item: item[:3])
+        cuda = self.device.type == "cuda"
+        decoder = Decoder(self.model, self.batch_size, self.max_length, cuda_graph=cuda, compile=cuda)
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="lm-eval generate")
+        next_item = 0
+        while next_item < len(keyed):
+            batch = [keyed[next_item]]  # then the next ones of the same settings, up to batch_size
+            while (
+                len(batch) < self.batch_size
+                and next_item + len(batch) < len(keyed)
+                and keyed[next_item + len(batch)][0] == batch[0][0]
+            ):
+                batch.append(keyed[next_item + len(batch)])
+            next_item += len(batch)
+            settings = batch[0][4]
+            texts = self._generate_batch(generate, decoder, [item[3] for item in batch], settings)
+            for item, text in zip(batch, texts):
+                self.cache_hook.add_partial("generate_until", requests[item[2]].args, text)
+                results[item[2]] = text
+            progress.update(len(batch))
+        progress.close()
+        return results
+
+    def _generate_batch(self, generate, decoder, prompts: list[list[int]], settings: dict) -> list[str]:
+        """One batch's continuations, each cut at its first stop string; the generation ends early
+        once every row has met a stop string or EOS."""
+        until, eot = settings["until"], self.eot_token_id
+        new: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+
+        def on_token(tokens) -> bool:
+            for row, token in enumerate(tokens):
+                if token is None or done[row]:
+                    continue
+                if token == eot:
+                    done[row] = True
+                    continue
+                new[row].append(token)
+                done[row] = any(stop in self.tok_decode(new[row]) for stop in until)
+            return all(done)
+
+        generator = None
+        if settings["temperature"] > 0:
+            generator = torch.Generator(device=self.device).manual_seed(settings["seed"])
+        generate(
+            self.model, prompts, settings["max_new"], temperature=settings["temperature"],
+            top_k=settings["top_k"], top_p=settings["top_p"], generator=generator, decoder=decoder,
+            on_token=on_token,
+        )  # fmt: skip
+        texts = []
+        for tokens in new:
+            text = self.tok_decode(tokens)
             for stop in until:
                 text = text.split(stop)[0]
-            self.cache_hook.add_partial("generate_until", request.args, text)
-            out.append(text)
-        return out
+            texts.append(text)
+        return texts
+
+
+def _generation_settings(gen_kwargs: dict, max_gen_toks: int, max_length: int) -> dict:
+    """lm-eval's gen_kwargs as generate()'s settings: until (stop strings), max_new (capped so that at
+    least one context token fits), greedy unless do_sample (then temperature, default 1, top_k, top_p)."""
+    until = gen_kwargs.get("until") or ()
+    until = (until,) if isinstance(until, str) else tuple(until)
+    max_new = max(1, min(int(gen_kwargs.get("max_gen_toks", max_gen_toks)), max_length - 1))
+    sample = bool(gen_kwargs.get("do_sample", False))
+    temperature = float(gen_kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+    return {
+        "until": until,
+        "max_new": max_new,
+        "temperature": temperature,
+        "top_k": int(gen_kwargs.get("top_k") or 0) if sample else 0,
+        "top_p": float(gen_kwargs.get("top_p") or 1.0) if sample else 1.0,
+        "seed": int(gen_kwargs.get("seed", 0)),
+    }
 
 
 def run_lm_eval(

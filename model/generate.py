@@ -363,7 +363,7 @@ def generate(
     prompts: token id lists of any lengths >= 1, or an int [batch, seq_len] tensor. Greedy at
     temperature 0, else sampled (`sample_next`: top_k, top_p) from `generator` (on the model's device;
     a seeded one reproduces the draw). on_token(tokens): after every step, each row's new token, None
-    for a row that had already stopped (a host sync per step). decoder: a Decoder to reuse (its cache
+    for a row that had already stopped (a host sync per step); a true return ends the generation there. decoder: a Decoder to reuse (its cache
     and CUDA graphs); default, a new one sized for this call, with CUDA graphs if cuda_graph and
     torch.compile'd blocks if compile.
     """
@@ -398,8 +398,8 @@ def generate(
     def take(step: int, token: torch.Tensor) -> bool:
         """Record the step's tokens; whether every row had stopped (one step late on CUDA)."""
         out[:, step] = token.masked_fill(finished, -1)
-        if on_token is not None:
-            on_token([None if t < 0 else t for t in out[:, step].tolist()])
+        if on_token is not None and on_token([None if t < 0 else t for t in out[:, step].tolist()]):
+            return True  # the caller has what it needs (a stop string in every row)
         if eos is None:
             return False
         finished.logical_or_(torch.isin(token, eos))

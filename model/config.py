@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from twell.kernels._common import check_hot_units
 
 FFN_IMPLS = ("dense", "twell", "auto")
+# model.twell_threshold=auto where no break-even is measured (a CPU run) or can be (training/routing.py).
+TWELL_THRESHOLD_FALLBACK = 50.0
 
 # The paper's sizes (PAPER.md "Model"): only the depth changes between 0.5B and 2B.
 _PAPER_SHAPE = dict(
@@ -36,6 +39,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _check_threshold(value) -> float | str:
+    """twell_threshold as "auto" or a float > 0."""
+    if value == "auto":
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(
+        f"twell_threshold={value!r} must be auto (the break-even measured on the GPU) or a number of "
+        "active units per token > 0; set e.g. model.twell_threshold=auto or model.twell_threshold=50"
+    )
+
+
 @dataclass
 class ModelConfig:
     """Shape and behaviour of a `Transformer`. Defaults are the `tiny` preset's shape."""
@@ -52,7 +67,10 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = True
     ffn_impl: str = "dense"  # "dense" | "twell" | "auto" (per layer, by measured activity)
-    twell_threshold: float = 50.0  # "auto": a layer goes sparse while mean active units/token < this
+    # "auto" impl: a layer goes sparse while its mean active units/token is below this: a number, or
+    # "auto" (the break-even of TwELL and dense measured on the GPU at start, or cached for it:
+    # training/routing.py; TWELL_THRESHOLD_FALLBACK where none is). Any: a number or a string.
+    twell_threshold: Any = "auto"
     twell_check_interval: int = 20  # "auto": optimizer steps between routing re-checks (trainer)
     # TwELL: the K most-firing units of a batch on dense GEMMs (0: off; None: the kernels' default,
     # 1024 from 16384 tokens per call on a GPU; docs/KERNELS.md)
@@ -66,7 +84,8 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field}={value!r} must be a positive integer")
-        for field in ("rope_theta", "norm_eps", "init_std", "twell_threshold"):
+        self.twell_threshold = _check_threshold(self.twell_threshold)
+        for field in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"{field}={value!r} must be positive")
@@ -93,6 +112,12 @@ class ModelConfig:
             )
         if self.ffn_impl not in FFN_IMPLS:
             raise ValueError(f"ffn_impl={self.ffn_impl!r} is not one of {FFN_IMPLS}")
+
+    @property
+    def routing_threshold(self) -> float:
+        """The threshold a model routes by on its own: twell_threshold, or the fallback when it is "auto"
+        (the trainer resolves "auto" to a measured break-even and passes it to update_ffn_routing)."""
+        return TWELL_THRESHOLD_FALLBACK if self.twell_threshold == "auto" else self.twell_threshold
 
     @property
     def head_dim(self) -> int:

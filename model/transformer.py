@@ -177,8 +177,10 @@ class Transformer(nn.Module):
             shares.append(float(fires[order[:hot_prefix]].sum() / fires.sum().clamp(min=1)))
         return shares
 
-    def update_ffn_routing(self, active_mean: torch.Tensor) -> list[bool]:
-        """ "auto" impl: layer i takes the sparse path iff active_mean[i] < cfg.twell_threshold.
+    def update_ffn_routing(self, active_mean: torch.Tensor, threshold: float | None = None) -> list[bool]:
+        """ "auto" impl: layer i takes the sparse path iff active_mean[i] < threshold (default:
+        cfg.routing_threshold, the configured number, or the fallback 50 where it is "auto"; the trainer
+        passes the break-even it measured or loaded, training/routing.py).
 
         Call every cfg.twell_check_interval steps with the (all-reduced) per-layer mean active
         units; it reads active_mean on the host once. Returns the new per-layer flags.
@@ -187,7 +189,9 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"active_mean has {active_mean.numel()} entries; the model has {len(self.layers)} layers"
             )
-        flags = [value < self.cfg.twell_threshold for value in active_mean.detach().float().cpu().tolist()]
+        if threshold is None:
+            threshold = self.cfg.routing_threshold
+        flags = [value < threshold for value in active_mean.detach().float().cpu().tolist()]
         for block, flag in zip(self.layers, flags):
             block.ffn.set_sparse(flag)
         return flags

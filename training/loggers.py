@@ -59,6 +59,8 @@ class JsonlSink:
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
 
+    log_run_info = log  # a record like any other, at the step the launch starts from
+
     def close(self) -> None:
         self.file.close()
 
@@ -167,9 +169,17 @@ class WandbSink:
             if key in PER_LAYER_KEYS:  # one chart per quantity, one line per layer
                 flat.update({f"{key}/layer_{i:02d}": v for i, v in enumerate(value)})
                 flat[f"{key}/mean"] = sum(value) / len(value)
+                if key == "ffn_sparse":  # the routing at a glance: how many layers, and which
+                    flat["ffn_sparse/count"] = sum(value)
+                    flat["ffn_sparse/layers"] = "".join(map(str, value))
             elif key != "step" and value is not None:
                 flat[key] = value
         self.run.log(flat, step=record["step"])
+
+    def log_run_info(self, record: dict) -> None:
+        """Facts a launch settles once (the FFN routing threshold and its table): the run's config."""
+        info = {key: value for key, value in record.items() if key != "step"}
+        self.run.config.update(info, allow_val_change=True)
 
     def close(self) -> None:
         self.run.finish()
@@ -200,6 +210,13 @@ class RunLogger:
     def log(self, record: dict) -> None:
         for sink in self.sinks:
             sink.log(record)
+
+    def log_run_info(self, record: dict) -> None:
+        """Facts a launch settles once, at start (record: {"step": the start step, ...}): a JSONL record
+        and wandb's run config; the console has them from info()."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_run_info"):
+                sink.log_run_info(record)
 
     def info(self, message: str) -> None:
         """A line for the console that does not break the progress bar."""

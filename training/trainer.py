@@ -50,6 +50,7 @@ from twell.training.loggers import RunLogger
 from twell.training.memory import GIB, choose_activation_checkpointing
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
 from twell.training.optim import build_optimizer, set_lr
+from twell.training.routing import choose_threshold
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,7 @@ class Trainer:
                 self._kt = kt
         self.twell_redos = 0
         self.warm_up_seconds: float | None = None  # the sparse path's warm-up before training (auto FFN, GPU)
+        self.twell_threshold: float | None = None  # auto FFN: layers switch below it (set by fit)
         if tcfg.cuda_graph:
             from twell.training.cuda_graph import GraphedMicroStep
 
@@ -374,6 +376,14 @@ class Trainer:
             f"checkpointing {on_off[self.checkpoint_blocks]}, CUDA graphs {on_off[self.graphed is not None]}"
         )
         self._warm_sparse_path()
+        if self.job.model.ffn_impl == "auto":  # measured after the warm-up, which tunes the kernels it times
+            tokens = self.job.train.micro_batch * self.job.train.seq_len
+            choice = choose_threshold(
+                self.job.model, tokens, self.device, precision=self.precision, compiled=self.compile_blocks
+            )
+            self.twell_threshold = choice.threshold
+            self._say(choice.describe())
+            self.logger.log_run_info({"step": start_step, **choice.record()})
         # SIGTERM (a scheduler's preemption) and a first SIGINT (Ctrl-C) stop after the current step
         # with a checkpoint; a second SIGINT quits at once (KeyboardInterrupt).
         previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
@@ -513,7 +523,7 @@ class Trainer:
                 self.optimizer if scfg.reset_optimizer_moments else None,
             )
         if self.job.model.ffn_impl == "auto" and self.step % self.job.model.twell_check_interval == 0:
-            self.model.update_ffn_routing(self.tracker.route_mean())
+            self.model.update_ffn_routing(self.tracker.route_mean(), self.twell_threshold)
 
         self._grad_norm_sum += grad_norm.detach()
         self._window_steps += 1

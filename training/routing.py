@@ -170,7 +170,7 @@ def routing_key(
 ) -> dict:
     """What a break-even depends on. hot_units: the setting (None: the kernels' default), resolved here
     to the number a call of `tokens` rows takes."""
-    from twell.kernels.train import hot_units_for
+    from twell.kernels.training.train import hot_units_for
 
     try:
         import triton
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> BreakEven:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        from twell.kernels.train import warm_up
+        from twell.kernels.training.train import warm_up
 
         print(f"warming the TwELL kernels up at {args.tokens} tokens ...", flush=True)
         warm_up(args.tokens, args.d_model, args.d_ff, device, hot_units=args.hot_units)

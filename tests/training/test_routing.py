@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_helpers import compose_job, tiny_overrides, train
 
-from twell.kernels.train import hot_units_for
+from twell.kernels.training.train import hot_units_for
 from twell.model import ModelConfig, Transformer
 from twell.training import routing
 from twell.training.routing import BreakEven, break_even, choose_threshold, load_cached, routing_key, store

@@ -35,9 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench_fsdp import FFN
+from bench_fsdp import FFN, launch, report, split_extra
 from hydra import compose, initialize_config_dir
-from race import commit_of, machine_name
 
 from twell.training.config import parse_job, register_configs
 from twell.training.memory import GIB, RESERVE_BYTES, estimate_training_memory, job_settings
@@ -159,25 +158,8 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def launch(overrides: list[str], log_path: Path, result_path: Path) -> float:
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", str(result_path), "--", *overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode:
-        raise SystemExit(
-            f"run failed (exit {done.returncode}); the end of {log_path}:\n{log_path.read_text()[-3000:]}"
-        )
-    return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -220,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = run_overrides(model, ffn, checkpointing, args, args.out / name)
                 plan = planned(compose_job(overrides), checkpointing)
                 print(f"{name}: plan {plan['total_gib']:.1f} GiB", end="", flush=True)
-                wall = launch(overrides, args.out / f"{name}.log", args.out / f"{name}.json")
+                child = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    str(args.out / f"{name}.json"),
+                    "--",
+                    *overrides,
+                ]
+                wall = launch(child, args.out / f"{name}.log")
                 run = json.loads((args.out / f"{name}.json").read_text())
                 run.update(
                     model=model, ffn=ffn, activation_checkpointing=checkpointing, plan=plan, wall_s=wall,
@@ -233,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "no GPU memory counters" if measured is None else f"measured {measured:.1f} GiB reserved"
                 )
                 print(f", {said} ({wall:.0f} s)", flush=True)
-    result.update(commit=commit_of(ROOT), machine=machine_name())
-    text = table(result)
-    print(text)
-    (args.out / "bench_memory.md").write_text(text)
-    (args.out / "bench_memory.json").write_text(json.dumps(result, indent=1))
+    report(args.out, "bench_memory", result, table)
     return 0
 
 

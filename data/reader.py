@@ -58,15 +58,35 @@ class DocumentReader:
             if self._pending is None:
                 self._load_block()
             if self._pending:
-                number, doc = self._pending.popleft()
-                self._passed_in_block = number - self._numbered_before_block + 1
-                return number, doc
-            # block used up: the next one starts where this one's reading ended
-            self._numbered_before_block += self._block_length
-            self._block_index += 1
-            self._block_start = self._next_block_start
-            self._passed_in_block = 0
-            self._pending = None
+                return self._pop()
+            self._next_block()
+
+    def documents_before(self, stop: int) -> list[tuple[int, Any]]:
+        """(number, document) of every kept document numbered below `stop` from here on: what brings a
+        lane read up to an earlier position level with one read up to `stop` (data/stream.py, resuming on
+        another number of processes)."""
+        found = []
+        while True:
+            if self._pending is None:
+                self._load_block()
+            while self._pending and self._pending[0][0] < stop:
+                found.append(self._pop())
+            if self._pending or self._numbered_before_block + self._block_length >= stop:
+                return found
+            self._next_block()
+
+    def _pop(self) -> tuple[int, Any]:
+        number, doc = self._pending.popleft()
+        self._passed_in_block = number - self._numbered_before_block + 1
+        return number, doc
+
+    def _next_block(self) -> None:
+        """The current block is used up: the next one starts where this one's reading ended."""
+        self._numbered_before_block += self._block_length
+        self._block_index += 1
+        self._block_start = self._next_block_start
+        self._passed_in_block = 0
+        self._pending = None
 
     def _load_block(self) -> None:
         docs = self._read_block()
@@ -133,6 +153,12 @@ class DocumentReader:
             "numbered_before_block": self._numbered_before_block,
             "passed_in_block": self._passed_in_block,
         }
+
+    @staticmethod
+    def saved_position(state: dict[str, Any]) -> int:
+        """The number of the next document a reader saved as `state` hands out or skips: it has handed
+        out every kept document numbered below it."""
+        return state["numbered_before_block"] + state["passed_in_block"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = state["epoch"]

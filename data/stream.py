@@ -9,6 +9,13 @@ product. Every rank reads the whole document sequence but tokenizes only its own
 With data.sharding=files (data/sharded.py) each lane instead reads its own parquet row groups or
 token shards (LaneStream): a rank reads only its lanes' share of the bytes, and the global batch still depends
 only on the lane count.
+
+Resuming on another number of processes: load_state_dict({SAVED_RANKS: [the state of every rank that
+saved, in rank order]}) deals the saved lanes out anew, for any (world_size, grad_accum) with the same
+lane count, from a state saved at the end of an optimizer step. Each lane keeps its unserved tokens
+(the micro-batches made ahead put back in front); under data.sharding=files each lane also has its own
+reader, and under documents the ranks' readers stood at different documents, so the new rank's reader
+starts at the furthest of its lanes' and the lanes behind it first read their documents up to there.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 
 from twell.data.config import DataConfig
 from twell.data.packing import LaneBuffer, rows_to_batch
+from twell.data.prefetch import STATE_KEY as PREFETCHED
 from twell.data.prefetch import Prefetcher
 from twell.data.reader import DocumentReader
 from twell.data.sharded import assign_units, fingerprint, lane_source, resolve_units_once
@@ -31,6 +40,7 @@ from twell.data.token_shards import check_tokenizer, read_manifest
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+SAVED_RANKS = "saved_ranks"  # load_state_dict's key for every rank's state of a run of another size
 
 
 class PackedStream:
@@ -121,12 +131,35 @@ class PackedStream:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's own state, or {SAVED_RANKS: [...]} of a run with another number of processes."""
+        self._exhausted = False
+        if SAVED_RANKS in state:
+            self._deal_lanes(state[SAVED_RANKS])
+            return
         _check_state(state, self.layout)
         self.reader.load_state_dict(state["reader"])
         for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
             buffer.load_state_dict(tokens)
         self._next_lane = state["next_lane"]
-        self._exhausted = False
+
+    def _deal_lanes(self, states: list[dict[str, Any]]) -> None:
+        mine = _saved_lanes(states, self.layout)[self.first_lane : self.first_lane + len(self._buffers)]
+        positions = [DocumentReader.saved_position(lane["rank_state"]["reader"]) for lane in mine]
+        furthest = max(positions)
+        keep = self.reader.keep
+        try:
+            for lane, buffer, position in zip(mine, self._buffers, positions):
+                buffer.load_state_dict(lane["tokens"])
+                if position == furthest:
+                    continue
+                self.reader.load_state_dict(lane["rank_state"]["reader"])
+                self.reader.keep = lambda number, lane=lane["lane"]: number % self.num_lanes == lane
+                for tokens in self.encode([doc for _, doc in self.reader.documents_before(furthest)]):
+                    buffer.add_document(tokens)
+        finally:
+            self.reader.keep = keep
+        self.reader.load_state_dict(mine[positions.index(furthest)]["rank_state"]["reader"])
+        self._next_lane = 0
 
 
 class LaneStream:
@@ -236,6 +269,15 @@ class LaneStream:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's own state, or {SAVED_RANKS: [...]} of a run with another number of processes."""
+        if SAVED_RANKS in state:
+            first = self.layout["rank"] * len(self._buffers)
+            lanes = _saved_lanes(state[SAVED_RANKS], self.layout)[first : first + len(self._buffers)]
+            for reader, buffer, lane in zip(self.readers, self._buffers, lanes):
+                reader.load_state_dict(lane["rank_state"]["readers"][lane["index"]])
+                buffer.load_state_dict(lane["tokens"])
+            self._next_lane = 0
+            return
         _check_state(state, self.layout)
         for reader, saved in zip(self.readers, state["readers"], strict=True):
             reader.load_state_dict(saved)
@@ -253,19 +295,66 @@ def _docs_to_read(tokenize_batch: int, docs_seen: int, tokens_seen: int, deficit
     return max(1, min(tokenize_batch, lanes * math.ceil(deficit / per_doc)))
 
 
-def _check_state(state: dict[str, Any], layout: dict[str, Any]) -> None:
+def _check_state(state: dict[str, Any], layout: dict[str, Any], any_split: bool = False) -> None:
+    """Refuse a state saved under another layout; any_split: the rank and grad_accum may differ (the
+    lanes are dealt anew), everything else, the lane count included, may not."""
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"data state version {state.get('version')!r}, expected {STATE_VERSION}")
     saved = state["layout"]
+    ignored = {"rank", "grad_accum"} if any_split else set()
     changed = {
-        k: (saved.get(k), layout.get(k)) for k in set(saved) | set(layout) if saved.get(k) != layout.get(k)
+        k: (saved.get(k), layout.get(k))
+        for k in (set(saved) | set(layout)) - ignored
+        if saved.get(k) != layout.get(k)
     }
     if changed:
         detail = ", ".join(f"{k}: saved {old!r} now {new!r}" for k, (old, new) in sorted(changed.items()))
+        lanes = ""
+        if "num_lanes" in changed:
+            lanes = (
+                f" The global batch is num_lanes = world_size * grad_accum micro-batches (train.global_batch_tokens"
+                f" / (train.micro_batch * train.seq_len)); a run resumes on any number of processes with "
+                f"the same {saved.get('num_lanes')} lanes, so keep global_batch_tokens, micro_batch and seq_len."
+            )
         raise ValueError(
             f"data state was saved with a different layout ({detail}); resume with the same "
-            "world_size * grad_accum, rank, seed, data files and data settings, or start the data from scratch"
+            "world_size * grad_accum, seed, data files and data settings, or start the data from scratch."
+            + lanes
         )
+
+
+def _saved_lanes(states: list[dict[str, Any]], layout: dict[str, Any]) -> list[dict[str, Any]]:
+    """The lanes of a run saved by len(states) processes (states in rank order), in lane order: per lane
+    {"lane": its number, "tokens": its unserved tokens (int32: the buffer, with the micro-batches the
+    prefetcher had made put back in front), "rank_state": the saving rank's state, "index": the lane's
+    place among that rank's lanes}. Refuses states of another layout or saved within a step."""
+    lanes = []
+    for rank, state in enumerate(states):
+        _check_state(state, layout, any_split=True)
+        if state["layout"]["rank"] != rank:
+            raise ValueError(
+                f"data state {rank} of the saved run was saved by rank {state['layout']['rank']}"
+            )
+        saved_accum = state["layout"]["grad_accum"]
+        made_ahead = state.get(PREFETCHED, [])
+        micro_step = (state["next_lane"] - len(made_ahead)) % saved_accum
+        if micro_step:
+            raise ValueError(
+                f"the data state of rank {rank} was saved at micro-step {micro_step} of {saved_accum}, not at "
+                "the end of an optimizer step; only such a state resumes on another number of processes"
+            )
+        served_back = [[] for _ in range(saved_accum)]
+        for i, batch in enumerate(made_ahead):  # made in lane order from the step's first lane
+            rows = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1).to(torch.int32)
+            served_back[i % saved_accum].append(rows.flatten())
+        for index, buffer in enumerate(state["buffers"]):
+            tokens = torch.cat([*served_back[index], buffer.to(torch.int32)])
+            lanes.append({"lane": len(lanes), "tokens": tokens, "rank_state": state, "index": index})
+    if len(lanes) != layout["num_lanes"]:
+        raise ValueError(
+            f"the saved run's {len(states)} data states hold {len(lanes)} lanes, not {layout['num_lanes']}"
+        )
+    return lanes
 
 
 class ValidationBatches:

@@ -27,6 +27,7 @@ from pathlib import Path
 from race import commit_of, machine_name, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_ONE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 VARIANTS = {
     "plain": ["train.parallel=ddp"],
     "fsdp": ["train.parallel=fsdp"],
@@ -50,18 +51,32 @@ def run_overrides(model: str, ffn: str, variant: str, steps: int, run_dir: Path)
     ]  # fmt: skip
 
 
-def launch(overrides: list[str], log_path: Path) -> float:
-    """train.py under torchrun with one process; returns its wall seconds (start-up and compile included)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+def launch(command: list[str], log_path: Path) -> float:
+    """Run `command` with its output in log_path; returns its wall seconds (start-up and compile included)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        done = subprocess.run(
-            [*command, str(ROOT / "train.py"), *overrides], stdout=log, stderr=subprocess.STDOUT
-        )
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"run failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
     return time.perf_counter() - start
+
+
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, the Hydra overrides after `--` for every run)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def report(out: Path, name: str, result: dict, table) -> None:
+    """Add the commit and the machine to `result`, print table(result) and write it to <out>/<name>.md,
+    the result to <out>/<name>.json."""
+    result.update(commit=commit_of(ROOT), machine=machine_name())
+    text = table(result)
+    print(text)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 def summarize(records: list[dict], settle: int, wall_s: float) -> dict:
@@ -96,9 +111,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -121,15 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{ffn} / {variant}: torchrun --nproc_per_node=1 train.py {' '.join(overrides)}", flush=True
             )
-            wall = launch(overrides, args.out / f"{ffn}_{variant}.log")
+            wall = launch(
+                [*TORCHRUN_ONE, str(ROOT / "train.py"), *overrides], args.out / f"{ffn}_{variant}.log"
+            )
             summary = summarize(read_records(run_dir), args.settle, wall)
             result["runs"][ffn][variant] = summary
             print(f"  steady {summary['steady_tokens_per_s']:,.0f} tokens/s, {wall:.0f} s", flush=True)
-    result.update(commit=commit_of(ROOT), machine=machine_name())
-    text = table(result)
-    print(text)
-    (args.out / "bench_fsdp.md").write_text(text)
-    (args.out / "bench_fsdp.json").write_text(json.dumps(result, indent=1))
+    report(args.out, "bench_fsdp", result, table)
     return 0
 
 

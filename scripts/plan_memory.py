@@ -20,10 +20,17 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from twell.training.config import parse_job, register_configs
-from twell.training.memory import FIT_FRACTION, GIB, choose_activation_checkpointing, estimate_training_memory
+from twell.training.memory import (
+    FIT_FRACTION,
+    GIB,
+    MemoryEstimate,
+    choose_activation_checkpointing,
+    estimate_training_memory,
+    job_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("params", "grads", "optimizer", "activations", "logits", "reserve")
+PARTS = MemoryEstimate.PARTS
 
 
 def local_gpu_gib() -> float | None:
@@ -50,18 +57,15 @@ def largest_micro_batch(cfg, seq_len: int, budget: float, limit: int = 4096, **k
 
 
 def plan(job, gpu_gib: float, world_size: int, parallel: str) -> dict:
+    """Per FFN (dense, TwELL) and activation-checkpointing setting: the estimate, part by part, and the
+    largest micro-batch that fits. FSDP2 shards over every process, one included, as the trainer does."""
     mcfg, tcfg = job.model, job.train
-    sharded = parallel == "fsdp" and world_size > 1
+    settings = job_settings(job, world_size, sharded=parallel == "fsdp")
     budget = FIT_FRACTION * gpu_gib * GIB
     rows = []
     for sparse in (False, True):
         for checkpointing in (False, True):
-            kw = dict(
-                activation_checkpointing=checkpointing,
-                sparse_ffn=sparse,
-                world_size=world_size,
-                sharded=sharded,
-            )
+            kw = {**settings, "sparse_ffn": sparse, "activation_checkpointing": checkpointing}
             est = estimate_training_memory(mcfg, tcfg.micro_batch, tcfg.seq_len, **kw)
             rows.append({
                 "ffn": "twell" if sparse else "dense",
@@ -71,18 +75,16 @@ def plan(job, gpu_gib: float, world_size: int, parallel: str) -> dict:
                 "fits": est.total <= budget,
                 "largest_micro_batch": largest_micro_batch(mcfg, tcfg.seq_len, budget, **kw),
             })  # fmt: skip
-    starts_sparse = mcfg.ffn_impl == "twell"
     auto, _, _ = choose_activation_checkpointing(
-        mcfg, tcfg.micro_batch, tcfg.seq_len, int(gpu_gib * GIB), sparse_ffn=starts_sparse, world_size=world_size,
-        sharded=sharded,
-    )  # fmt: skip
+        mcfg, tcfg.micro_batch, tcfg.seq_len, int(gpu_gib * GIB), **settings
+    )
     return {
         "model": mcfg.name or f"d{mcfg.d_model} x {mcfg.n_layers} layers",
         "params": mcfg.num_params(),
         "micro_batch": tcfg.micro_batch,
         "seq_len": tcfg.seq_len,
         "world_size": world_size,
-        "parallel": parallel if world_size > 1 else "one process",
+        "parallel": "fsdp" if parallel == "fsdp" else ("ddp" if world_size > 1 else "one process"),
         "gpu_gib": gpu_gib,
         "budget_gib": budget / GIB,
         "rows": rows,

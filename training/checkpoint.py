@@ -12,6 +12,11 @@ a job killed while saving leaves no directory that looks finished. On resume, a 
 files do not match its COMPLETE.json (or fail to load) is refused with the reason, and the previous
 one is tried. A checkpoint whose model tensors have other shapes than the model being resumed is
 refused at once (ModelMismatchError), naming the config fields that differ.
+
+A checkpoint resumes on another number of processes too: DCP reshards the model and optimizer, and each
+rank gets the data states of every saving rank as {SAVED_RANKS: [...]}, from which the data stream deals
+out its lanes anew (data/stream.py: the same global batch, lanes = world_size * grad_accum, is required
+there); a rank beyond the saved ones takes the RNG states of rank (rank mod saved world size).
 """
 
 import contextlib
@@ -36,6 +41,8 @@ from twell.training.distributed import DistInfo, any_rank, barrier
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+# The data stream's key for the states of every rank of a run of another size (the data contract).
+SAVED_RANKS = "saved_ranks"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -158,9 +165,8 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     # ---------------------------------------------------------------- loading
-    def verify(self, path: Path, same_world: bool = True) -> dict:
-        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError.
-        same_world: also require the world size this job has (resuming needs it, reading does not)."""
+    def verify(self, path: Path) -> dict:
+        """Check the files against COMPLETE.json; return the manifest or raise CheckpointError."""
         marker = path / MARKER
         if not marker.is_file():
             raise CheckpointError(f"{path} has no {MARKER}: it is partial (the job died while saving)")
@@ -169,12 +175,6 @@ class Checkpointer:
             files = manifest["files"]
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{marker} is unreadable ({err})") from err
-        if same_world and manifest.get("world_size") != self.info.world_size:
-            raise CheckpointError(
-                f"{path} was written by {manifest.get('world_size')} processes but this job has "
-                f"{self.info.world_size}; the data position is per rank, so resume with the same "
-                f"number of processes (or start a new run_dir)"
-            )
         problems = []
         for name, expect in files.items():
             actual = path / name
@@ -194,15 +194,29 @@ class Checkpointer:
         """Load into model and optimizer; return (trainer_state, this rank's rank_state).
 
         `trainer_state` is a template with the keys to read (DCP loads in place)."""
-        self.verify(path)
+        manifest = self.verify(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.check_model_fits(path, model_sd)
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rank_state = torch.load(path / f"rank_{self.info.rank:05d}.pt", weights_only=False)
-        return state["trainer"], rank_state
+        return state["trainer"], self._load_rank_state(path, manifest["world_size"])
+
+    def _load_rank_state(self, path: Path, saved_world: int) -> dict:
+        """This rank's data position and RNG states; from a run of another size, the data states of
+        every saving rank (see the module docstring)."""
+        load = lambda rank: torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)
+        if saved_world == self.info.world_size:
+            return load(self.info.rank)
+        saved = [load(rank) for rank in range(saved_world)]
+        if self.info.is_main:
+            log.info(
+                "%s was written by %d processes, this job has %d: its data lanes are dealt out anew",
+                path, saved_world, self.info.world_size,
+            )  # fmt: skip
+        rng = saved[self.info.rank % saved_world]["rng"]
+        return {"data": {SAVED_RANKS: [state["data"] for state in saved]}, "rng": rng}
 
     def check_model_fits(self, path: Path, model_sd: dict) -> None:
         """Raise ModelMismatchError when the checkpoint's model tensors differ from the model's in
@@ -290,4 +304,4 @@ def verify_checkpoint(path: Path) -> dict:
     """One process checks every file of a checkpoint against its COMPLETE.json (sizes and CRC32), as a
     resume does; returns the manifest or raises CheckpointError with the reason. For readers outside
     training (evaluation, export, activity reports), which have no process group."""
-    return Checkpointer(path.parent, 0, DistInfo(0, 0, 1, torch.device("cpu"))).verify(path, same_world=False)
+    return Checkpointer(path.parent, 0, DistInfo(0, 0, 1, torch.device("cpu"))).verify(path)

@@ -2,8 +2,18 @@
 `train.activation_checkpointing=auto` and what the trainer prints at start.
 
 Per GPU, in bytes:
-- parameters, gradients and AdamW's two moments in fp32 (16 bytes a parameter; FSDP2 divides them by
-  the world size, DDP keeps them whole);
+- parameters and AdamW's two moments in fp32 (4 + 8 bytes a parameter; FSDP2 divides them by the world
+  size, one process and DDP keep them whole);
+- gradients in fp32: 4 bytes a parameter, sharded under FSDP2; DDP holds them twice (the parameters'
+  .grad and its all-reduce buckets); FSDP2 with grad_accum > 1 also holds every parameter's unsharded
+  fp32 gradient between micro-batches (no reduce-scatter until the step's last one);
+- the weights as the step computes with them ("compute_weights"): under bf16 autocast (one process,
+  DDP) a bf16 copy of every matrix (2 bytes a parameter), saved for the backward pass; under FSDP2 the
+  gathered, unsharded parameters: the root's in fp32 (token embedding, which is also the output head,
+  whose bf16 cast autocast saves as well, and the final norm: gathered once and held through the backward)
+  and the blocks' in bf16 (fp32 without bf16): the block being computed and the ones prefetched
+  (train.fsdp_prefetch, at least FSDP2's own one) at the peak, or every block when
+  train.fsdp_reshard_after_forward=false keeps them from the forward to the backward;
 - activations saved for the backward pass, per token and layer, in an eager bf16-autocast step
   (counted from the model's code in model/layers.py and model/ffn.py):
     RMSNorm x2        fp32 input and normalised output: 8 d each
@@ -18,7 +28,8 @@ Per GPU, in bytes:
 - the logits and the loss: bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient
   (2 + 4 + 4 + 4 bytes a vocabulary entry and token);
 - a fixed reserve for the CUDA context, cuBLAS workspaces and the allocator's fragmentation.
-torch.compile fuses the element-wise ops and saves less: the estimate is then an upper bound.
+torch.compile fuses the element-wise ops and saves less: the estimate is then an upper bound
+(scripts/bench_memory.py measures eager steps against it).
 """
 
 from __future__ import annotations
@@ -35,19 +46,21 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
+    compute_weights: int
     activations: int
     logits: int
     reserve: int
     activation_checkpointing: bool
     sparse_ffn: bool
 
+    PARTS = ("params", "grads", "optimizer", "compute_weights", "activations", "logits", "reserve")
+
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.reserve
+        return sum(getattr(self, name) for name in self.PARTS)
 
     def describe(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "logits", "reserve")
-        body = ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in parts)
+        body = ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in self.PARTS)
         return f"{self.total / GIB:.1f} GiB ({body})"
 
 
@@ -61,14 +74,44 @@ def block_activation_bytes_per_token(cfg, sparse_ffn: bool) -> int:
     return norms + attention + ffn
 
 
+def root_params(cfg) -> int:
+    """Parameters outside the blocks: the token embedding (and an untied output head), the final norm."""
+    return cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) + cfg.d_model
+
+
+def fsdp_gathered_blocks(n_layers: int, reshard_after_forward: str, prefetch: int) -> int:
+    """Blocks whose unsharded parameters FSDP2 holds at the step's peak (the start of the backward pass):
+    every one when none is resharded after its forward; else the block computed and those prefetched
+    (FSDP2 prefetches one itself when train.fsdp_prefetch=0)."""
+    if reshard_after_forward == "false":
+        return n_layers
+    return min(n_layers, 1 + max(prefetch, 1))
+
+
 def estimate_training_memory(
     cfg, micro_batch: int, seq_len: int, *, activation_checkpointing: bool, sparse_ffn: bool,
-    world_size: int = 1, sharded: bool = False,
+    world_size: int = 1, sharded: bool = False, bf16: bool = True, grad_accum: int = 1,
+    reshard_after_forward: str = "auto", prefetch: int = 1,
 ) -> MemoryEstimate:  # fmt: skip
-    """The peak of one training step on one GPU; `cfg` a ModelConfig, `sharded` FSDP2 over world_size."""
+    """The peak of one training step on one GPU; `cfg` a ModelConfig; `sharded`: FSDP2 over world_size
+    processes (one included), else one process or DDP; bf16: bf16 autocast / FSDP2's bf16 gathers;
+    grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only)."""
     n_params = cfg.num_params()
     shard = world_size if sharded else 1
     state = 4 * n_params // shard
+    grads = state
+    if sharded and grad_accum > 1:
+        grads += 4 * n_params  # unsharded fp32 gradients accumulated between micro-batches
+    elif not sharded and world_size > 1:
+        grads += 4 * n_params  # DDP's all-reduce buckets
+    compute_bytes = 2 if bf16 else 4
+    if sharded:
+        root = root_params(cfg)
+        blocks = fsdp_gathered_blocks(cfg.n_layers, reshard_after_forward, prefetch)
+        head_cast = 2 * cfg.vocab_size * cfg.d_model if bf16 else 0
+        compute_weights = 4 * root + head_cast + compute_bytes * blocks * (n_params - root) // cfg.n_layers
+    else:
+        compute_weights = 2 * n_params if bf16 else 0
     tokens = micro_batch * seq_len
     per_block = block_activation_bytes_per_token(cfg, sparse_ffn) * tokens
     if activation_checkpointing:
@@ -77,18 +120,29 @@ def estimate_training_memory(
         activations = cfg.n_layers * per_block
     logits = (2 + 4 + 4 + 4) * cfg.vocab_size * tokens
     return MemoryEstimate(
-        params=state, grads=state, optimizer=2 * state, activations=activations, logits=logits,
-        reserve=RESERVE_BYTES, activation_checkpointing=activation_checkpointing, sparse_ffn=sparse_ffn,
+        params=state, grads=grads, optimizer=2 * state, compute_weights=compute_weights,
+        activations=activations, logits=logits, reserve=RESERVE_BYTES,
+        activation_checkpointing=activation_checkpointing, sparse_ffn=sparse_ffn,
+    )  # fmt: skip
+
+
+def job_settings(job, world_size: int, sharded: bool) -> dict:
+    """estimate_training_memory's keyword arguments for a JobConfig on a GPU (precision auto is bf16
+    there; an "auto" FFN starts dense, so it is estimated dense), activation checkpointing left out."""
+    tcfg = job.train
+    return dict(
+        sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
+        bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
+        reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
     )  # fmt: skip
 
 
 def choose_activation_checkpointing(
-    cfg, micro_batch: int, seq_len: int, device_bytes: int, *, sparse_ffn: bool, world_size: int = 1,
-    sharded: bool = False,
-) -> tuple[bool, MemoryEstimate, MemoryEstimate]:  # fmt: skip
+    cfg, micro_batch: int, seq_len: int, device_bytes: int, **settings
+) -> tuple[bool, MemoryEstimate, MemoryEstimate]:
     """(checkpoint?, estimate without, estimate with): off when the step fits in FIT_FRACTION of the
-    device's memory without it, on otherwise."""
-    kw = dict(sparse_ffn=sparse_ffn, world_size=world_size, sharded=sharded)
-    without = estimate_training_memory(cfg, micro_batch, seq_len, activation_checkpointing=False, **kw)
-    with_ac = estimate_training_memory(cfg, micro_batch, seq_len, activation_checkpointing=True, **kw)
+    device's memory without it, on otherwise. settings: estimate_training_memory's keyword arguments
+    other than activation_checkpointing (sparse_ffn among them)."""
+    without = estimate_training_memory(cfg, micro_batch, seq_len, activation_checkpointing=False, **settings)
+    with_ac = estimate_training_memory(cfg, micro_batch, seq_len, activation_checkpointing=True, **settings)
     return without.total > FIT_FRACTION * device_bytes, without, with_ac

@@ -47,7 +47,7 @@ from twell.training.checkpoint import (
 from twell.training.config import JobConfig
 from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
 from twell.training.loggers import RunLogger
-from twell.training.memory import GIB, choose_activation_checkpointing
+from twell.training.memory import GIB, choose_activation_checkpointing, job_settings
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
 from twell.training.optim import build_optimizer, set_lr
 from twell.training.routing import choose_threshold
@@ -112,9 +112,8 @@ def resolve_block_wrappers(
         return False, compile_blocks
     device_bytes = torch.cuda.get_device_properties(device).total_memory
     checkpoint, without, with_ac = choose_activation_checkpointing(
-        mcfg, tcfg.micro_batch, tcfg.seq_len, device_bytes, sparse_ffn=mcfg.ffn_impl == "twell",
-        world_size=world_size, sharded=sharded,
-    )  # fmt: skip
+        mcfg, tcfg.micro_batch, tcfg.seq_len, device_bytes, **job_settings(job, world_size, sharded)
+    )
     if checkpoint and tcfg.cuda_graph:
         log.warning("the step may not fit without activation checkpointing, which a CUDA graph cannot hold")
         checkpoint = False

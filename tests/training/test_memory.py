@@ -5,7 +5,13 @@ import torch
 from trainer_helpers import compose_job
 
 from twell.model import ModelConfig
-from twell.training.memory import GIB, choose_activation_checkpointing, estimate_training_memory
+from twell.training.memory import (
+    GIB,
+    choose_activation_checkpointing,
+    estimate_training_memory,
+    job_settings,
+    root_params,
+)
 from twell.training.trainer import resolve_block_wrappers
 
 PAPER_1P5B = ModelConfig.preset("1.5b")
@@ -22,6 +28,42 @@ def test_state_is_sixteen_bytes_a_parameter_and_fsdp_shards_it():
     assert whole.optimizer == 2 * whole.params
     sharded = estimate(world_size=8, sharded=True)
     assert sharded.params == whole.params // 8 and sharded.activations == whole.activations
+
+
+def test_compute_weights_and_gradients_under_each_parallel_mode():
+    """bf16 autocast keeps a bf16 copy of every weight; FSDP2 gathers the root in fp32 (plus the head's
+    bf16 cast) and the blocks at the peak in bf16; DDP holds its gradients twice; FSDP2 accumulating over
+    micro-batches holds unsharded fp32 gradients."""
+    n, layers = PAPER_1P5B.num_params(), PAPER_1P5B.n_layers
+    root = root_params(PAPER_1P5B)
+    assert root == 49152 * 2048 + 2048
+    block = (n - root) // layers
+    plain = estimate()
+    assert plain.compute_weights == 2 * n and estimate(bf16=False).compute_weights == 0
+    assert estimate(world_size=8).grads == 2 * plain.grads  # DDP: .grad and the all-reduce buckets
+    fsdp = estimate(world_size=8, sharded=True)
+    head_cast = 2 * 49152 * 2048
+    assert fsdp.compute_weights == 4 * root + head_cast + 2 * 2 * block  # the block computed, one prefetched
+    assert fsdp.grads == 4 * n // 8
+    kept = estimate(world_size=8, sharded=True, reshard_after_forward="false")
+    assert kept.compute_weights == 4 * root + head_cast + 2 * layers * block
+    assert (
+        estimate(world_size=8, sharded=True, prefetch=2).compute_weights == fsdp.compute_weights + 2 * block
+    )
+    assert estimate(world_size=8, sharded=True, prefetch=0).compute_weights == fsdp.compute_weights
+    accumulating = estimate(world_size=8, sharded=True, grad_accum=4)
+    assert accumulating.grads == fsdp.grads + 4 * n
+    assert "compute_weights" in fsdp.describe()
+
+
+def test_job_settings_follow_the_train_config():
+    job = compose_job(["experiment=paper_0.5b", "train.parallel=fsdp", "train.fsdp_reshard_after_forward=false",
+                       "train.fsdp_prefetch=2", "train.precision=fp32", "model.ffn_impl=twell"])  # fmt: skip
+    settings = job_settings(job, 2, True)
+    assert settings == {
+        "sparse_ffn": True, "world_size": 2, "sharded": True, "bf16": False,
+        "grad_accum": job.train.grad_accum(2), "reshard_after_forward": "false", "prefetch": 2,
+    }  # fmt: skip
 
 
 def test_activations_follow_the_layers_the_tokens_and_the_ffn():

@@ -70,7 +70,10 @@ class ModelConfig:
     # "auto" impl: a layer goes sparse while its mean active units/token is below this: a number, or
     # "auto" (the break-even of TwELL and dense measured on the GPU at start, or cached for it:
     # training/routing.py; TWELL_THRESHOLD_FALLBACK where none is). Any: a number or a string.
-    twell_threshold: Any = "auto"
+    # 50 (measured: the paper_1.5b trainer +28.5% with it); "auto" times the FFN layer alone, host-bound
+    # at 16k tokens, and routed nothing sparse on an H200 (training/routing.py): opt-in until it measures
+    # what a layer costs inside the model.
+    twell_threshold: Any = 50.0
     twell_check_interval: int = 20  # "auto": optimizer steps between routing re-checks (trainer)
     # TwELL: the K most-firing units of a batch on dense GEMMs (0: off; None: the kernels' default,
     # 1024 from 16384 tokens per call on a GPU; docs/KERNELS.md)

@@ -2,7 +2,7 @@
 beats the dense one on this GPU, at this run's shape.
 
 A layer of an "auto" model takes the sparse path while its mean active units per token is below
-`model.twell_threshold`. With `model.twell_threshold=auto` (the default) the trainer takes that number from
+`model.twell_threshold` (default 50). With `model.twell_threshold=auto` (opt-in) the trainer takes that number from
 here at start: the FFN's training step (forward with its L1 term and statistics, backward), as the trainer
 runs it (`ReLUGatedFFN` under the run's autocast dtype, compiled when the blocks are), is timed dense and
 TwELL on paper-like inputs (kernels.synthetic) at a ladder of mean active units per token, and the
@@ -11,6 +11,13 @@ break-even is interpolated between the rungs (`break_even`). The result is cache
 d_ff, tokens per micro-batch), the dtype, the hot units, compilation and the torch and triton versions; a
 later run loads it instead of measuring. A CPU run (or one where the measurement fails) routes at
 `TWELL_THRESHOLD_FALLBACK` (50) unless the cache holds its key.
+
+Why it is not the default: the layer timed alone is host-bound at 16k tokens (the eager TwELL op's host
+time exceeds its GPU time), while inside a model that host time overlaps the GPU's attention work. On an
+H200 (paper_0.5b start, compiled, 2026-12-04) TwELL measured 1.03-1.27x slower than compiled dense at
+every rung from 8 to 258 active units, so `auto` routed nothing sparse, where the same layers with the
+threshold 50 make the 1.5b trainer 28.5% faster. The measurement must time a layer's GPU cost in the
+model before `auto` can be the default.
 
 Print the table of a shape on a GPU (and store it in the cache):
 

@@ -43,7 +43,7 @@ def test_break_even_interpolates_where_twell_stops_being_faster():
 
 
 def test_threshold_config_values():
-    assert ModelConfig().twell_threshold == "auto"
+    assert ModelConfig().twell_threshold == 50.0  # "auto" is opt-in (see model/config.py)
     assert ModelConfig().routing_threshold == routing.TWELL_THRESHOLD_FALLBACK == 50.0
     assert ModelConfig(twell_threshold=12).twell_threshold == 12.0
     assert ModelConfig(twell_threshold=12).routing_threshold == 12.0
@@ -98,7 +98,7 @@ def test_a_broken_cache_is_ignored_with_a_warning(cache_dir, caplog, content, wa
         content = json.dumps({"version": 1, "entries": [{**table(1.0).to_dict(), "threshold": "low"}]})
     path.write_text(content)
     with caplog.at_level(logging.WARNING, logger="twell.training.routing"):
-        choice = choose_threshold(ModelConfig(d_model=64, n_heads=2, d_ff=128), 128, CPU, precision="fp32",
+        choice = choose_threshold(ModelConfig(d_model=64, n_heads=2, d_ff=128, twell_threshold="auto"), 128, CPU, precision="fp32",
                                   compiled=False)  # fmt: skip
     assert warning in caplog.text
     assert (choice.threshold, choice.source) == (50.0, "fallback")
@@ -107,7 +107,7 @@ def test_a_broken_cache_is_ignored_with_a_warning(cache_dir, caplog, content, wa
 
 
 def test_choice_on_cpu_is_the_number_the_cache_or_the_fallback(cache_dir):
-    mcfg = ModelConfig(d_model=64, n_heads=2, d_ff=128, ffn_impl="auto")
+    mcfg = ModelConfig(d_model=64, n_heads=2, d_ff=128, ffn_impl="auto", twell_threshold="auto")
     choose = lambda cfg: choose_threshold(cfg, 128, CPU, precision="fp32", compiled=False)  # noqa: E731
     fallback = choose(mcfg)
     assert (fallback.threshold, fallback.source) == (50.0, "fallback")
@@ -150,7 +150,12 @@ def test_trainer_routes_by_the_cached_break_even(cache_dir, offline_data, tmp_pa
     # TwELL wins up to 1000 active units: the fallback 50 would keep the half-active random layers dense.
     store(routing.cache_path(), table(1000.0))
     overrides = tiny_overrides(
-        offline_data, tmp_path / "run", 2, "model.ffn_impl=auto", "model.twell_check_interval=2"
+        offline_data,
+        tmp_path / "run",
+        2,
+        "model.ffn_impl=auto",
+        "model.twell_threshold=auto",
+        "model.twell_check_interval=2",
     )
     trainer = train.build_trainer(compose_job(overrides))
     records = [r for r in trainer.fit() if "loss" in r]

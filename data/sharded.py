@@ -167,12 +167,34 @@ def resolve_units_once(cfg: DataConfig, world_size: int) -> list[dict[str, Any]]
     return value
 
 
+def split_units(units: list[dict[str, Any]], num_lanes: int) -> list[dict[str, Any]]:
+    """Token shards for at least num_lanes lanes: while there are fewer units than lanes, the unit with the
+    most bytes is cut in two at its middle document (a lane then reads a document range of a shard, through
+    the same memory map; bytes estimated by documents). A corpus of a few large shards thus trains with
+    any number of lanes (the paper's 1M-token steps of 8 x 2048 are 64 lanes). Deterministic: every rank
+    and a resumed run cut the same way. Parquet row groups are left whole (a cut one would be read by two
+    lanes): assign_units names the fix."""
+    if not units or "row_group" in units[0] or len(units) >= num_lanes:
+        return units
+    units = [dict(unit) for unit in units]
+    while len(units) < num_lanes:
+        index = max(range(len(units)), key=lambda i: (units[i]["bytes"], -i))
+        unit = units[index]
+        docs = unit["rows"] - unit["start"]
+        if docs < 2:  # every unit is one document: assign_units reports it
+            break
+        middle = unit["start"] + docs // 2
+        first = {**unit, "rows": middle, "bytes": unit["bytes"] * (docs // 2) // docs}
+        units[index : index + 1] = [first, {**unit, "start": middle, "bytes": unit["bytes"] - first["bytes"]}]
+    return units
+
+
 def assign_units(units: list[dict[str, Any]], num_lanes: int) -> list[list[int]]:
     """Unit indices per lane, balanced by bytes (largest first to the lightest lane); each in file order."""
     if len(units) < num_lanes:
         shards = units and "row_group" not in units[0]
         kind, what, fix = (
-            ("token", "shard", "re-tokenize with a smaller scripts/pretokenize.py --shard-tokens")
+            ("token", "document", "use more data")
             if shards
             else ("parquet", "row group", "write the files with smaller row groups, use more files")
         )
@@ -310,9 +332,10 @@ class ShardUnitSource:
                     self.folder / unit["file"], self.dtype, self.eos_id, self.sha256.get(unit["file"])
                 )
                 self.bytes_read += unit["bytes"]
-                self.rows_read += unit["rows"]
-            # rows count from the unit's start (after a held-out head), as for parquet
-            if unit["start"] + self._row < len(self._docs):
+                self.rows_read += unit["rows"] - unit["start"]
+            # rows count from the unit's start (after a held-out head, or where split_units cut the
+            # shard), as for parquet; the unit ends at document "rows"
+            if unit["start"] + self._row < min(unit["rows"], len(self._docs)):
                 doc = self._docs[unit["start"] + self._row]
                 self._row += 1
                 return doc

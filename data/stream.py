@@ -33,7 +33,7 @@ from twell.data.packing import LaneBuffer, rows_to_batch
 from twell.data.prefetch import STATE_KEY as PREFETCHED
 from twell.data.prefetch import Prefetcher
 from twell.data.reader import DocumentReader
-from twell.data.sharded import assign_units, fingerprint, lane_source, resolve_units_once
+from twell.data.sharded import assign_units, fingerprint, lane_source, resolve_units_once, split_units
 from twell.data.sources import open_source
 from twell.data.token_shards import check_tokenizer, read_manifest
 
@@ -180,6 +180,7 @@ class LaneStream:
         seed: int,
     ) -> None:
         num_lanes = world_size * grad_accum
+        units = split_units(units, num_lanes)
         lanes = assign_units(units, num_lanes)
         self.encode = encode
         self.seq_len = seq_len

@@ -130,6 +130,36 @@ def test_lanes_split_the_shards_and_each_rank_reads_its_share(world_size, pretok
     assert max(bytes_read) <= 1.1 * sum(bytes_read) / world_size, bytes_read
 
 
+def test_a_corpus_of_fewer_shards_than_lanes_is_cut_into_document_ranges(pretokenized, tokenizer, rng):
+    """Two large shards for 2 ranks x 4 lanes: the shards are cut into document ranges, every document is
+    read exactly once per epoch (the head held out), and a resumed run continues exactly."""
+    from twell.data.sharded import resolve_units, split_units
+
+    docs, folder = pretokenized(160, "big", "--task-mib", "64", "--shard-tokens", str(10**9))
+    held_out = rng.randint(0, 9)
+    cfg = DataConfig(
+        source="tokens", path=folder, sharding="files", max_epochs=1, val_docs=held_out, shuffle_buffer=5
+    )
+    units = resolve_units(cfg)
+    assert len(units) < 8
+    cut = split_units(units, 8)
+    assert len(cut) == 8 and sum(u["rows"] - u["start"] for u in cut) == len(docs) - held_out
+    assert split_units(cut, 8) == cut and split_units(units, 8) == cut  # deterministic
+    read = []
+    for rank in range(2):
+        stream = build_train_stream(cfg, tokenizer, 8, 1, rank=rank, world_size=2, grad_accum=4, seed=5)
+        read += [tuple(d.tolist()) for d in drain(stream)]
+    want = [tuple(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs[held_out:]]
+    assert sorted(read) == sorted(want)
+    resume_cfg = DataConfig(
+        source="tokens", path=folder, sharding="files", shuffle_buffer=3, tokenize_batch=4
+    )
+    layout = dict(seq_len=16, micro_batch=2, world_size=2, grad_accum=4)
+    epoch_tokens = sum(len(tokenizer(d)["input_ids"]) + 1 for d in docs)
+    k = int(2.5 * epoch_tokens / 2 / (2 * 17)) + 1  # a rank's batches past its first epoch
+    assert_resumes_exactly(resume_cfg, tokenizer, layout, 1, rng.randrange(1000), k)
+
+
 def test_resume_from_shards_is_exact(pretokenized, tokenizer, rng):
     docs, folder = pretokenized(rng.randint(60, 80))
     cfg = DataConfig(

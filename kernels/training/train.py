@@ -1,5 +1,8 @@
 """twell_ffn: the training op of the ReLU-gated FFN, sparse in everything but the gate GEMM.
 
+(One file of ~600 lines on purpose: the op's forward, backward, entry-list sizing and custom-op
+registration share the per-layer size history and settings below; its kernels live beside it.)
+
 Forward (x [M, D]; w_gate, w_up, w_down [F, D], w_down neuron-major):
   1. relu_gate_bits: the dense gate GEMM writes relu(x w_gate^T) and a bitmask of its positives;
      count_fires counts each unit's positives from the bitmask (unit_fires, the hot units' choice).

@@ -545,13 +545,8 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     )
 
     def step(x_in):
-        leaf = x_in.clone().requires_grad_()
-        for w in weights:
-            w.grad = None
-        out = twell_ffn(leaf, *weights)
-        ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
+        out, grads = _grad_step(weights, x_in, grad_y, hot=None)
         ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
-        grads = [leaf.grad] + [w.grad.clone() for w in weights]
         for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
             assert _rel_err(a, b) <= 1e-5
         return out, grads
@@ -610,6 +605,16 @@ def test_capacity_headroom_widens_the_sized_capacity_inside_the_block_only():
     assert kt._settings["headroom"] == kt.DEFAULT_HEADROOM
 
 
+def _grad_step(weights, x_in, grad_y, hot=0, fn=twell_ffn):
+    """One forward and backward of fn on a fresh leaf of x_in: (output, [dx, dw_gate, dw_up, dw_down])."""
+    leaf = x_in.clone().requires_grad_()
+    for w in weights:
+        w.grad = None
+    out = fn(leaf, *weights, hot_units=hot)
+    ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
+    return out, [leaf.grad] + [w.grad.clone() for w in weights]
+
+
 @pytest.mark.parametrize("hot,variant", [(0, "fused3"), (16, "fused3"), (0, "split")])
 def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, variant):
     """ "static" (what a CUDA graph capture uses): the previous call's count plus a margin as a fixed
@@ -625,12 +630,7 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, var
     misses.zero_()
 
     def step(x_in):
-        leaf = x_in.clone().requires_grad_()
-        for w in weights:
-            w.grad = None
-        out = twell_ffn(leaf, *weights, hot_units=hot)
-        ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
-        return out, [leaf.grad] + [w.grad.clone() for w in weights]
+        return _grad_step(weights, x_in, grad_y, hot)
 
     try:
         kt.set_sizes("static")
@@ -700,15 +700,6 @@ def test_static_calls_record_their_capacity_and_true_entry_count(hot):
     assert kt.oversized(2 * capacity + 1, entries) and not kt.oversized(2 * capacity, entries)
 
 
-def _deferred_step(weights, x_in, grad_y, hot=0, fn=twell_ffn):
-    leaf = x_in.clone().requires_grad_()
-    for w in weights:
-        w.grad = None
-    out = fn(leaf, *weights, hot_units=hot)
-    ((out.y * grad_y).sum() + 0.3 * out.l1).backward()
-    return out, [leaf.grad] + [w.grad.clone() for w in weights]
-
-
 @pytest.mark.parametrize("hot", [0, 16])
 def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, monkeypatch):
     """deferred_sizes(): after a layer's first (exact) call, every call takes the fixed capacity from
@@ -732,10 +723,10 @@ def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, m
             assert _rel_err(a, b) <= 1e-5
 
     with kt.deferred_sizes() as sizes:
-        check(*_deferred_step(weights, x, grad_y, hot))  # no history: exact (records one)
+        check(*_grad_step(weights, x, grad_y, hot))  # no history: exact (records one)
         capacity = kt._capacities[weights[0]][(M, hot)]
-        out, grads = _deferred_step(weights, x, grad_y, hot)
-        out2, _ = _deferred_step(weights, x, grad_y, hot)
+        out, grads = _grad_step(weights, x, grad_y, hot)
+        out2, _ = _grad_step(weights, x, grad_y, hot)
         assert not reads and len(sizes.calls) == 2  # the exact call is not deferred
         entries = int(sizes.calls[0][3])
         assert not sizes.settle() and not sizes.calls
@@ -745,10 +736,10 @@ def test_deferred_sizes_read_nothing_back_until_settled_and_report_a_miss(hot, m
 
         dense_x = x.clone()
         make_rows_dense(dense_x, list(range(0, M, 2)))  # far more entries than the capacity holds
-        _deferred_step(weights, dense_x, grad_y, hot)
+        _grad_step(weights, dense_x, grad_y, hot)
         assert sizes.settle()  # missed: those results are wrong, and the capacity now fits the batch
         assert kt._capacities[weights[0]][(M, hot)] > capacity
-        out, grads = _deferred_step(weights, dense_x, grad_y, hot)
+        out, grads = _grad_step(weights, dense_x, grad_y, hot)
         assert not sizes.settle()
     dense_ref, dense_grads = _run(relu_ffn, [dense_x, *weights], grad_y.double(), 0.3, dtype=torch.float64)
     check(out, grads, dense_ref, dense_grads)
@@ -763,13 +754,13 @@ def test_deferred_miss_left_unsettled_raises_and_settle_reduces_a_flag():
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
     grad_y = torch.randn(M, D, device=DEVICE)
     weights = [t.requires_grad_() for t in weights]
-    _deferred_step(weights, x, grad_y)  # history
+    _grad_step(weights, x, grad_y)  # history
     kt._capacities[weights[0]][(M, 0)] = 8  # far too small
     with pytest.raises(RuntimeError, match="ended without settle"), kt.deferred_sizes():
-        _deferred_step(weights, x, grad_y)
+        _grad_step(weights, x, grad_y)
     flags = []
     with kt.deferred_sizes() as sizes:
-        _deferred_step(weights, x, grad_y)  # fits now: the block's exit settled the miss above
+        _grad_step(weights, x, grad_y)  # fits now: the block's exit settled the miss above
         # this call fitted (flag 0), but the reduced flag decides (another rank missed): every rank redoes
         assert sizes.settle(reduce=lambda flag: flags.append(int(flag)) or flag.fill_(1))
         assert not sizes.settle()  # nothing left to settle
@@ -803,7 +794,7 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
         with kt.deferred_sizes() as sizes:
             outcomes = []
             for x_in in (x, x, denser, denser):
-                out, grads = _deferred_step(weights, x_in, grad_y, fn=compiled)
+                out, grads = _grad_step(weights, x_in, grad_y, fn=compiled)
                 outcomes.append((sizes.settle(), kt._capacities[weights[0]][(M, 0)]))
                 ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
                 if not outcomes[-1][0]:

@@ -75,23 +75,9 @@ class InferenceStats(NamedTuple):
 
 @triton.jit
 def _entry_chunk(
-    x,
-    e,
-    total,
-    incl,
-    excl,
-    ts,
-    row,
-    cols_ptr,
-    vals_ptr,
-    wu_ptr,
-    wd_ptr,
-    ds,
-    d_ok,
-    T: tl.constexpr,
-    D: tl.constexpr,
-    SLOTS: tl.constexpr,
-):
+    x, e, total, incl, excl, ts, row, cols_ptr, vals_ptr, wu_ptr, wd_ptr, ds, d_ok,
+    T: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
     """sum over the row's flattened entries e (a [CH] vector of indices) of g * (x . w_up[j]) * w_down[j].
 
     The row's entries are numbered across its tiles (tile t holds [excl[t], incl[t])), so one chunk can
@@ -190,23 +176,8 @@ def _row_consumer_kernel(
     if DYNAMIC_LOOPS:
         for e0 in range(part * CHUNK, total, SPLIT * CHUNK):
             acc += _entry_chunk(
-                x,
-                e0 + lanes,
-                total,
-                incl,
-                excl,
-                ts,
-                row,
-                cols_ptr,
-                vals_ptr,
-                wu_ptr,
-                wd_ptr,
-                ds,
-                d_ok,
-                T,
-                D,
-                SLOTS,
-            )
+                x, e0 + lanes, total, incl, excl, ts, row, cols_ptr, vals_ptr, wu_ptr, wd_ptr, ds, d_ok, T, D, SLOTS
+            )  # fmt: skip
     else:  # the interpreter cannot loop to a loaded bound: walk every slot, masked
         for e0 in range(0, T * SLOTS, SPLIT * CHUNK):
             acc += _entry_chunk(

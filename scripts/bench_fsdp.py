@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from race import commit_of, machine_name, read_records
+from race import commit_of, machine_name, read_records, split_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN_ONE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -60,13 +60,6 @@ def launch(command: list[str], log_path: Path) -> float:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"run failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
     return time.perf_counter() - start
-
-
-def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the script's own arguments, the Hydra overrides after `--` for every run)."""
-    if "--" not in argv:
-        return argv, []
-    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
 
 
 def report(out: Path, name: str, result: dict, table) -> None:

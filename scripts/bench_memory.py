@@ -35,10 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench_fsdp import FFN, launch, report, split_extra
-from hydra import compose, initialize_config_dir
+from bench_fsdp import FFN, launch, report
+from plan_memory import compose_job
+from race import split_extra
 
-from twell.training.config import parse_job, register_configs
 from twell.training.memory import GIB, RESERVE_BYTES, estimate_training_memory, job_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,12 +55,6 @@ def run_overrides(model: str, ffn: str, checkpointing: bool, args, run_dir: Path
         "eval.interval=0", "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=none",
         f"run_name=bench_memory_{model}_{ffn}", f"run_dir={run_dir}", *(QUICK if args.quick else []), *args.extra,
     ]  # fmt: skip
-
-
-def compose_job(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return parse_job(compose("train", overrides=overrides))
 
 
 def planned(job, checkpointing: bool) -> dict:

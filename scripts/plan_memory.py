@@ -33,6 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = MemoryEstimate.PARTS
 
 
+def compose_job(overrides: list[str]):
+    """The JobConfig that train.py builds from these Hydra overrides."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return parse_job(compose("train", overrides=overrides))
+
+
 def local_gpu_gib() -> float | None:
     import torch
 
@@ -130,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size={args.world_size} must be >= 1")
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        job = parse_job(compose("train", overrides=args.overrides))
+    job = compose_job(args.overrides)
     gpu_gib = args.gpu_gib or local_gpu_gib() or 80.0
     if gpu_gib <= 0:
         p.error(f"--gpu-gib={gpu_gib} must be > 0")

@@ -148,6 +148,13 @@ def machine_name() -> str:
     )
 
 
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, the Hydra overrides after `--` for every run)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
 def commit_of(root: Path) -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
@@ -155,7 +162,7 @@ def commit_of(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, overrides = split_extra(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/race", help="folder for both runs and the race's table and plot")
     p.add_argument("--settle", type=int, default=40, help="steps before speeds and CE gaps are compared")

@@ -36,13 +36,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from twell.data.stream import SAVED_RANKS  # the data stream's key for every saving rank's state
 from twell.training.distributed import DistInfo, any_rank, barrier
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
-# The data stream's key for the states of every rank of a run of another size (the data contract).
-SAVED_RANKS = "saved_ranks"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 

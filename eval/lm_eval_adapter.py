@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from twell.eval.report import flat_metrics, mean_accuracy, results_table, summarize
 from twell.eval.tasks import PAPER7, resolve_tasks
+from twell.model.generate import Decoder, generate
 
 log = logging.getLogger(__name__)
 
@@ -145,45 +146,34 @@ class TwellLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continuations until a stop string, EOS or max_gen_toks, on the KV cache (model/generate.py):
-        batches of up to batch_size requests with the same generation settings, longest context first,
-        each context left-truncated to max_length - max_gen_toks; greedy unless do_sample. On CUDA the
-        decode steps are CUDA graphs of compiled blocks."""
-        from twell.model.generate import Decoder, generate
-
-        results: list[str | None] = [None] * len(requests)
-        keyed = []
-        for index, request in enumerate(requests):
+        lm-eval's Collator batches up to batch_size requests with the same generation settings, longest
+        context first, each context left-truncated to max_length - max_gen_toks; greedy unless
+        do_sample. On CUDA the decode steps are CUDA graphs of compiled blocks."""
+        items = []  # (the request's args, context ids, generate() settings)
+        for request in requests:
             context, gen_kwargs = request.args
             settings = _generation_settings(gen_kwargs, self.max_gen_toks, self.max_length)
-            settings["until"] = tuple(settings["until"] or (self.tok_decode([self.eot_token_id]),))
-            ids = self.tok_encode(context)[-(self.max_length - settings["max_new"]) :] or [
-                self.prefix_token_id
-            ]
-            keyed.append((repr(sorted(settings.items())), -len(ids), index, ids, settings))
-        keyed.sort(key=lambda item: item[:3])
+            settings["until"] = settings["until"] or (self.tok_decode([self.eot_token_id]),)
+            ids = self.tok_encode(context)[-(self.max_length - settings["max_new"]) :]
+            items.append((request.args, ids or [self.prefix_token_id], settings))
+        collator = Collator(
+            items, sort_fn=lambda item: (-len(item[1]), tuple(item[1])), group_by="gen_kwargs",
+            group_fn=lambda item: item[2],
+        )  # fmt: skip
         cuda = self.device.type == "cuda"
         decoder = Decoder(self.model, self.batch_size, self.max_length, cuda_graph=cuda, compile=cuda)
+        results = []
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="lm-eval generate")
-        next_item = 0
-        while next_item < len(keyed):
-            batch = [keyed[next_item]]  # then the next ones of the same settings, up to batch_size
-            while (
-                len(batch) < self.batch_size
-                and next_item + len(batch) < len(keyed)
-                and keyed[next_item + len(batch)][0] == batch[0][0]
-            ):
-                batch.append(keyed[next_item + len(batch)])
-            next_item += len(batch)
-            settings = batch[0][4]
-            texts = self._generate_batch(generate, decoder, [item[3] for item in batch], settings)
-            for item, text in zip(batch, texts):
-                self.cache_hook.add_partial("generate_until", requests[item[2]].args, text)
-                results[item[2]] = text
-            progress.update(len(batch))
+        for chunk in collator.get_batched(n=self.batch_size):
+            texts = self._generate_batch(decoder, [item[1] for item in chunk], chunk[0][2])
+            for item, text in zip(chunk, texts):
+                self.cache_hook.add_partial("generate_until", item[0], text)
+            results += texts
+            progress.update(len(chunk))
         progress.close()
-        return results
+        return collator.get_original(results)
 
-    def _generate_batch(self, generate, decoder, prompts: list[list[int]], settings: dict) -> list[str]:
+    def _generate_batch(self, decoder, prompts: list[list[int]], settings: dict) -> list[str]:
         """One batch's continuations, each cut at its first stop string; the generation ends early
         once every row has met a stop string or EOS."""
         until, eot = settings["until"], self.eot_token_id

@@ -363,9 +363,9 @@ def generate(
     prompts: token id lists of any lengths >= 1, or an int [batch, seq_len] tensor. Greedy at
     temperature 0, else sampled (`sample_next`: top_k, top_p) from `generator` (on the model's device;
     a seeded one reproduces the draw). on_token(tokens): after every step, each row's new token, None
-    for a row that had already stopped (a host sync per step); a true return ends the generation there. decoder: a Decoder to reuse (its cache
-    and CUDA graphs); default, a new one sized for this call, with CUDA graphs if cuda_graph and
-    torch.compile'd blocks if compile.
+    for a row that had already stopped (a host sync per step); a true return ends the generation there.
+    decoder: a Decoder to reuse (its cache and CUDA graphs); default, a new one sized for this call, with
+    CUDA graphs if cuda_graph and torch.compile'd blocks if compile.
     """
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:

@@ -13,7 +13,8 @@ from typing import Any
 from twell.kernels._common import check_hot_units
 
 FFN_IMPLS = ("dense", "twell", "auto")
-# model.twell_threshold=auto where no break-even is measured (a CPU run) or can be (training/routing.py).
+# The default model.twell_threshold, and what "auto" routes by where no break-even is measured (a CPU
+# run) or can be (training/routing.py).
 TWELL_THRESHOLD_FALLBACK = 50.0
 
 # The paper's sizes (PAPER.md "Model"): only the depth changes between 0.5B and 2B.
@@ -73,7 +74,7 @@ class ModelConfig:
     # 50 (measured: the paper_1.5b trainer +28.5% with it); "auto" times the FFN layer alone, host-bound
     # at 16k tokens, and routed nothing sparse on an H200 (training/routing.py): opt-in until it measures
     # what a layer costs inside the model.
-    twell_threshold: Any = 50.0
+    twell_threshold: Any = TWELL_THRESHOLD_FALLBACK
     twell_check_interval: int = 20  # "auto": optimizer steps between routing re-checks (trainer)
     # TwELL: the K most-firing units of a batch on dense GEMMs (0: off; None: the kernels' default,
     # 1024 from 16384 tokens per call on a GPU; docs/KERNELS.md)

@@ -81,13 +81,21 @@ def configure_compile() -> None:
 def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
     """Per-block activation checkpointing and torch.compile, applied from outside the model.
 
-    Both keep parameter names (and so checkpoints) unchanged: the checkpoint wrapper strips its
-    prefix from state dicts and Module.compile() compiles in place."""
+    Blocks whose FFN may take the TwELL path are checkpointed selectively: the training op's outputs (its
+    small sparse state) are kept and everything else is recomputed, so the backward pass does not run
+    the FFN's forward again (kernels.training.train.checkpoint_context). Both keep parameter names (and
+    so checkpoints) unchanged: the checkpoint wrapper strips its prefix from state dicts and
+    Module.compile() compiles in place."""
     for index, block in enumerate(model.layers):
         if activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            block = checkpoint_wrapper(block)
+            options = {}
+            if block.ffn.impl != "dense":
+                from twell.kernels.training.train import checkpoint_context
+
+                options["context_fn"] = checkpoint_context
+            block = checkpoint_wrapper(block, **options)
         if compile_blocks:
             configure_compile()
             block.compile()

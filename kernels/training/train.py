@@ -34,6 +34,8 @@ import time
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._common import check_ffn_args, check_hot_units, check_kernel_device
@@ -579,10 +581,30 @@ def twell_ffn(
     check_kernel_device(x)
     K = hot_units_for(x.shape[0], w_gate.shape[0], hot_units)
     # Eager calls take the autograd.Function (cheaper to dispatch), torch.compile traces the custom op;
-    # both size the entry list when they run (_forward_sized), from the layer's history.
-    call = torch.ops.twell.ffn_train_fwd if torch.compiler.is_compiling() else _EagerFFN.apply
+    # both size the entry list when they run (_forward_sized), from the layer's history. Under a
+    # TorchDispatchMode (selective activation checkpointing among them: checkpoint_context) eager calls
+    # take the custom op too, so that the mode sees the op as one operator and not its kernels' buffers.
+    dispatched = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    call = torch.ops.twell.ffn_train_fwd if dispatched else _EagerFFN.apply
     y, l1, row_active, unit_fires, n_overflow, *_saved = call(x, w_gate, w_up, w_down, layer, K)
     return FFNOutput(y=y, l1=l1, row_active=row_active, unit_fires=unit_fires, overflow_rows=n_overflow)
+
+
+def keep_ffn_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing policy: keep what the training op's forward returns (its
+    output and its sparse saved state: ~16 bytes an active entry plus the hot units' gate and up values),
+    recompute everything else. The recomputed forward of a checkpointed block then finds the op's results
+    instead of running the gate GEMM, the CSR build and the sparse products a second time."""
+    if op is torch.ops.twell.ffn_train_fwd.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_context():
+    """`context_fn` for torch.utils.checkpoint (non-reentrant) and checkpoint_wrapper around blocks with
+    TwELL FFNs: keep_ffn_outputs as the policy. Works eagerly (twell_ffn dispatches the custom op under
+    the policy's mode) and under torch.compile (the policy tags the traced op's outputs as saved)."""
+    return create_selective_checkpoint_contexts(keep_ffn_outputs)
 
 
 def warm_up(

@@ -109,3 +109,44 @@ def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same
     assert missing.twell_redos == 2 and missing_records[-1]["twell_redos"] == 2
     for a, b in zip(records, missing_records, strict=True):
         assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch, compiled):
+    """train.activation_checkpointing=true with TwELL FFNs: each block's recomputed forward takes the
+    op's kept outputs (selective checkpointing), so the op runs once a layer per step, and the gradients
+    are those of the model without checkpointing (compiled: the trainer's per-block torch.compile;
+    equal to fp32 rounding, inductor fusing the ops around the op its own way)."""
+    import copy
+
+    import twell.kernels.training.train as kt
+    from twell.model import ModelConfig, Transformer
+    from twell.training.trainer import apply_block_wrappers
+
+    calls = []
+    forward_sized = kt._forward_sized
+    monkeypatch.setattr(kt, "_forward_sized", lambda *a: calls.append(1) or forward_sized(*a))
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=3, n_heads=2, d_ff=128, ffn_impl="twell")
+    plain = Transformer(cfg)
+    checkpointed = copy.deepcopy(plain)
+    apply_block_wrappers(checkpointed, activation_checkpointing=True, compile_blocks=compiled)
+    tokens = torch.randint(0, 64, (2, 12))
+
+    def grads(model):
+        calls.clear()
+        out = model(tokens)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens.flatten()) + 0.1 * out.l1
+        loss.backward()
+        names = (name.replace("._checkpoint_wrapped_module", "") for name, _ in model.named_parameters())
+        return len(calls), {name: p.grad for name, p in zip(names, model.parameters())}
+
+    plain_calls, plain_grads = grads(plain)
+    ckpt_calls, ckpt_grads = grads(checkpointed)
+    assert plain_calls == ckpt_calls == cfg.n_layers
+    assert plain_grads.keys() == ckpt_grads.keys()
+    for name, grad in plain_grads.items():
+        if compiled:
+            torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max())
+        else:
+            assert torch.equal(grad, ckpt_grads[name]), name

@@ -197,6 +197,46 @@ def test_checkpointing_recomputes_the_same_gradients():
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_selective_checkpointing_keeps_the_op_outputs_instead_of_running_it_again(monkeypatch, compiled):
+    """Under checkpoint_context the recomputed forward takes the op's kept outputs: the op runs once per
+    forward and backward (plain checkpointing: twice), with the same gradients as no checkpointing."""
+    import twell.kernels.training.train as kt
+
+    calls = []
+    forward_sized = kt._forward_sized
+    monkeypatch.setattr(kt, "_forward_sized", lambda *a: calls.append(1) or forward_sized(*a))
+    inputs = _inputs(19, 64, 192, torch.float32)
+    grad_y = torch.randn(19, 64, device=DEVICE)
+
+    def ffn_loss(*ts):
+        out = twell_ffn(torch.tanh(ts[0]), *ts[1:])  # an op before it, which is recomputed
+        return (out.y * grad_y).sum() + 0.3 * out.l1
+
+    def grads(**options):
+        def step(*leaves):
+            if options.get("checkpointed"):
+                kw = {"context_fn": kt.checkpoint_context} if options.get("selective") else {}
+                return torch.utils.checkpoint.checkpoint(ffn_loss, *leaves, use_reentrant=False, **kw)
+            return ffn_loss(*leaves)
+
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
+        calls.clear()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        step(*leaves).backward()
+        return len(calls), [t.grad for t in leaves]
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        plain_calls, plain = grads()
+        ac_calls, ac = grads(checkpointed=True)
+        sac_calls, sac = grads(checkpointed=True, selective=True)
+    assert (plain_calls, ac_calls, sac_calls) == (1, 2, 1)
+    for a, b, c in zip(plain, ac, sac):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_autocast_reaches_fp32_master_weights():
     M, D, F = 16, 64, 128
     inputs = _inputs(M, D, F, torch.float32)

@@ -21,10 +21,15 @@ Per GPU, in bytes:
     attention         q, k, v, out in bf16 (2 (2 d_q + 2 d_kv)), the fp32 log-sum-exp per head
     o linear          its bf16 input: 2 d
     FFN, dense        bf16 input casts of the gate and up linears (2 x 2 d), g, u, h (3 x 2 d_ff)
-    FFN, TwELL        bf16 input (2 d) and the sparse state, ~0.12 bytes a unit at the paper's
-                      activity (kernels: 78 MB for 16,384 tokens at d_ff 5632 with 1024 hot units)
+    FFN, TwELL        bf16 input (2 d) and the training op's sparse state (sparse_ffn_state_bytes):
+                      per token the hot units' gate and up values (2 x 2 K; K = 1024 hot units from
+                      16,384 tokens a micro-batch), 14 bytes an active entry at the paper's activity
+                      (29 units a token, counted as if none were hot) and the row offsets; per layer
+                      the hot units' gathered weight rows (3 x 2 K d)
   with activation checkpointing only each block's fp32 input (4 d) stays, plus one block's own
-  activations while it is recomputed;
+  activations while it is recomputed; a TwELL block also keeps its FFN's output (2 d) and sparse
+  state, which the recomputation takes instead of running the FFN again (selective checkpointing,
+  kernels.training.train.checkpoint_context);
 - the logits and the loss: bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient
   (2 + 4 + 4 + 4 bytes a vocabulary entry and token);
 - a fixed reserve for the CUDA context, cuBLAS workspaces and the allocator's fragmentation.
@@ -33,8 +38,9 @@ saved activations and the logits; gradients only where they outlive a step's sta
 micro-batches, or DDP's buckets, since zero_grad frees them otherwise) and the backward pass (every
 gradient, the saved activations and, with checkpointing, the block being recomputed; the logits are
 gone by then). Measured against eager steps on an H200 (bench_memory.py, 0.5b and 1.5b, dense and
-TwELL, checkpointing on and off) the sum was 3-26% over the reserved peak, the larger of the two
-moments is within -7%..+6%.
+TwELL, checkpointing on and off; docs/results/memory/) the sum was 3-26% over the reserved peak, the
+larger of the two moments is within -7%..+2% (TwELL with checkpointing was measured before its blocks
+kept their FFN state: not re-measured since).
 torch.compile fuses the element-wise ops and saves less: the estimate is then an upper bound
 (scripts/bench_memory.py measures eager steps against it).
 """
@@ -83,13 +89,42 @@ class MemoryEstimate:
         return f"{self.total / GIB:.1f} GiB at the end of the {moment} pass ({body})"
 
 
-def block_activation_bytes_per_token(cfg, sparse_ffn: bool) -> int:
-    """Bytes one block saves for its backward pass, per token (eager, bf16 autocast)."""
+# Active units a token that the sparse state is sized for: the paper's activity (model/calibrate.py).
+PAPER_ACTIVE_UNITS = 29
+ENTRY_BYTES = 4 + 4 + 2 + 4  # an active entry's row, column, bf16 gate and fp32 up value
+# The training op's hot units by default (kernels.inference.inference.default_hot_units on a GPU).
+HOT_MIN_TOKENS, DEFAULT_HOT_UNITS = 16384, 1024
+
+
+def hot_units(cfg, tokens: int) -> int:
+    """Hot units the training op takes for a micro-batch of `tokens` (model.twell_hot_units, else the
+    kernels' default on a GPU)."""
+    if cfg.twell_hot_units is not None:
+        return min(cfg.twell_hot_units, cfg.d_ff)
+    return min(DEFAULT_HOT_UNITS, cfg.d_ff // 4) if tokens >= HOT_MIN_TOKENS else 0
+
+
+def sparse_ffn_state_bytes(cfg, tokens: int) -> tuple[int, int]:
+    """(bytes a token, bytes a layer) of what the TwELL training op saves for its backward pass beside
+    its input: the hot units' gate and up values, the active entries, row offsets and counts; the hot
+    units' gathered weight rows."""
+    k = hot_units(cfg, tokens)
+    per_token = 2 * 2 * k + ENTRY_BYTES * PAPER_ACTIVE_UNITS + 4 + 4
+    return per_token, 3 * 2 * k * cfg.d_model
+
+
+def block_activation_bytes_per_token(cfg, sparse_ffn: bool, tokens: int) -> int:
+    """Bytes one block saves for its backward pass, per token of a micro-batch of `tokens` (eager, bf16
+    autocast)."""
     d, f = cfg.d_model, cfg.d_ff
     d_q, d_kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     norms = 2 * 8 * d
     attention = 3 * 2 * d + 2 * (2 * d_q + 2 * d_kv) + 4 * cfg.n_heads + 2 * d_q
-    ffn = 2 * d + int(0.12 * f) if sparse_ffn else 2 * 2 * d + 3 * 2 * f
+    if sparse_ffn:
+        per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens)
+        ffn = 2 * d + per_token + per_layer // tokens
+    else:
+        ffn = 2 * 2 * d + 3 * 2 * f
     return norms + attention + ffn
 
 
@@ -135,9 +170,13 @@ def estimate_training_memory(
     else:
         compute_weights = 2 * n_params if bf16 else 0
     tokens = micro_batch * seq_len
-    per_block = block_activation_bytes_per_token(cfg, sparse_ffn) * tokens
+    per_block = block_activation_bytes_per_token(cfg, sparse_ffn, tokens) * tokens
     if activation_checkpointing:
-        activations, recompute = cfg.n_layers * 4 * cfg.d_model * tokens, per_block
+        kept = 4 * cfg.d_model * tokens  # the block's fp32 input
+        if sparse_ffn:  # and its FFN's output and sparse state (selective checkpointing)
+            per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens)
+            kept += (2 * cfg.d_model + per_token) * tokens + per_layer
+        activations, recompute = cfg.n_layers * kept, per_block
     else:
         activations, recompute = cfg.n_layers * per_block, 0
     logits = (2 + 4 + 4 + 4) * cfg.vocab_size * tokens

@@ -173,3 +173,26 @@ def test_plan_memory_refuses_bad_values(capsys):
     assert "--world-size=0 must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="train.micro_batch"):
         plan_memory.main(["model=1.5b", "train.micro_batch=0"])
+
+
+def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
+    """The TwELL state is the hot units' gate and up values (from 16,384 tokens a micro-batch, as the
+    kernels choose them) plus the active entries; a checkpointed TwELL block keeps its FFN's output and
+    state (selective checkpointing), so checkpointing saves less with sparse FFNs than with dense ones."""
+    from twell.kernels.inference import inference
+    from twell.training import memory
+
+    assert (memory.HOT_MIN_TOKENS, memory.DEFAULT_HOT_UNITS) == (
+        inference.HOT_MIN_TOKENS, inference.DEFAULT_HOT_UNITS
+    )  # fmt: skip
+    assert memory.hot_units(PAPER_1P5B, 16384) == 1024 and memory.hot_units(PAPER_1P5B, 8192) == 0
+    per_token, per_layer = memory.sparse_ffn_state_bytes(PAPER_1P5B, 16384)
+    assert per_token == 4 * 1024 + 14 * 29 + 8 and per_layer == 6 * 1024 * 2048
+    assert memory.sparse_ffn_state_bytes(PAPER_1P5B, 8192)[1] == 0
+    small = estimate_training_memory(PAPER_1P5B, 4, 2048, activation_checkpointing=False, sparse_ffn=True)
+    assert small.activations < estimate(sparse_ffn=True).activations / 2  # no hot units under 16k tokens
+    layers, tokens = PAPER_1P5B.n_layers, 8 * 2048
+    for sparse in (False, True):
+        full = estimate(activation_checkpointing=True, sparse_ffn=sparse)
+        kept = 4 * 2048 * tokens + ((2 * 2048 + per_token) * tokens + per_layer if sparse else 0)
+        assert full.activations == layers * kept

@@ -112,13 +112,15 @@ class ReLUGatedFFN(nn.Module):
         wants_sparse = self.impl == "twell" or (self.impl == "auto" and self._sparse_now)
         return wants_sparse and kernels_usable(x)
 
-    def forward(self, x: torch.Tensor, with_stats: bool = True):
+    def forward(self, x: torch.Tensor, with_stats: bool = True, dense: bool = False):
         """x [..., D] -> (y [..., D], l1 0-dim fp32 or None, FFNStats or None).
 
         l1 = mean over tokens of sum over units of |h|. with_stats=False (inference) skips l1 and
-        the statistics, which lets the sparse path use the fused inference kernel.
+        the statistics, which lets the sparse path use the fused inference kernel. dense=True: the
+        dense matmuls whatever the routing (the same function; a generation's prefill, where they are
+        faster, model/generate.py).
         """
-        if self.takes_sparse_path(x):
+        if not dense and self.takes_sparse_path(x):
             return self._forward_twell(x, with_stats)
         return self._forward_dense(x, with_stats)
 

@@ -24,6 +24,7 @@ queued by then, so the device does not idle (at most one step is computed in vai
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,13 @@ import torch.nn.functional as F
 from twell.model.kv_cache import KVCache
 from twell.model.transformer import Transformer
 
+# How a prefill runs the FFNs of sparse layers (Decoder's prefill_ffn): "model" as routed (the TwELL
+# csr schedule), "dense" the dense matmuls (the same function), "auto" dense below DENSE_PREFILL_TOKENS
+# tokens. Measured on an H200 (1.5b, compiled blocks, docs/RESULTS.md): the TwELL prefill took the time to
+# first token from 14.5 to 32.4 ms at 512 tokens and from 22.2 to 30.3 ms at 8 x 512; its csr kernel is
+# 1.75x faster than dense at 16,384 tokens (in a CUDA graph), the size from which it is used.
+PREFILL_FFN = ("auto", "dense", "model")
+DENSE_PREFILL_TOKENS = 16384
 CACHE_ROUND = 64  # a cache made by generate() holds a multiple of this many slots (capped at max_seq_len)
 GRAPH_WARMUP_STEPS = 2  # eager steps on the capture stream before a capture: autotuning, workspaces
 
@@ -43,10 +51,10 @@ def _decode_block(block, x, cos, sin, with_stats, kv):
     return block(x, cos, sin, with_stats, kv)
 
 
-def _prefill_block(block, x, cos, sin, with_stats, kv):
+def _prefill_block(block, x, cos, sin, with_stats, kv, dense_ffn=False):
     """One block of a prefill (its own function: torch.compile keeps its graphs per code object, and a
     prefill's prompt length may be dynamic where a step's shapes are not)."""
-    return block(x, cos, sin, with_stats, kv)
+    return block(x, cos, sin, with_stats, kv, dense_ffn=dense_ffn)
 
 
 def _final_norm(norm, x):
@@ -131,6 +139,9 @@ class Decoder:
     fuse_qkv (default: as compile): every layer's q, k and v projections read as one weight, a copy the
     decoder keeps ((n_heads + 2 n_kv_heads) x head_dim x d_model per layer; 0.66 GiB at 1.5b in bf16),
     refreshed in place at each prefill if the model's weights were changed since.
+    prefill_ffn: how a prefill runs sparse layers' FFNs (PREFILL_FFN; default "auto": dense matmuls for
+    prompts of fewer than DENSE_PREFILL_TOKENS tokens in all, where they are faster, TwELL above); the
+    one-token steps always take each layer's routing.
     """
 
     def __init__(
@@ -142,7 +153,11 @@ class Decoder:
         cuda_graph: bool = False,
         compile: bool = False,
         fuse_qkv: bool | None = None,
+        prefill_ffn: str = "auto",
     ):
+        if prefill_ffn not in PREFILL_FFN:
+            raise ValueError(f"prefill_ffn={prefill_ffn!r} is not one of {PREFILL_FFN}")
+        self.prefill_ffn = prefill_ffn
         weight = model.tok_embeddings.weight
         self.model = model
         self.cache = KVCache(model.cfg, batch_size, max_len, device=weight.device, dtype=weight.dtype)
@@ -222,10 +237,14 @@ class Decoder:
         device = self._tokens.device
         lengths_dev = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
         self._refresh_qkv()
+        dense_ffn = self.prefill_ffn == "dense" or (
+            self.prefill_ffn == "auto" and batch * longest < DENSE_PREFILL_TOKENS
+        )
+        run_block = compiled("prefill") if self.compile else _prefill_block
         hidden = self.model.hidden_states(
             padded.to(device),
             kv=self.cache.prefill_views(batch, self._qkv),
-            run_block=compiled("prefill") if self.compile else None,
+            run_block=functools.partial(run_block, dense_ffn=dense_ffn),
         )
         last = hidden[torch.arange(batch, device=device), lengths_dev - 1]
         self._positions[:batch].copy_(lengths_dev)

@@ -51,9 +51,10 @@ class Block(nn.Module):
         sin: torch.Tensor,
         with_stats: bool = True,
         kv: LayerKV | None = None,
+        dense_ffn: bool = False,
     ):
         x = x + self.attn(self.attn_norm(x), cos, sin, kv)
-        y, l1, stats = self.ffn(self.ffn_norm(x), with_stats)
+        y, l1, stats = self.ffn(self.ffn_norm(x), with_stats, dense=dense_ffn)
         return x + y, l1, stats
 
 

@@ -7,7 +7,8 @@
 Per model, FFN implementation and batch size: `generate` (model/generate.py) on --batch prompts of
 --prompt-len tokens, --new-tokens greedy tokens each (no EOS stop), bf16 weights and KV cache, each decode
 step replayed from a CUDA graph on both sides, blocks through torch.compile (Decoder(compile=True); CPU:
-fp32, eager) (--no-graph: eager steps; --no-compile: the blocks as eager modules). Time to first token = prefill
+fp32, eager) (--no-graph: eager steps; --no-compile: the blocks as eager modules; --prefill-ffn: how the
+prompts' pass runs TwELL layers, the Decoder's prefill_ffn, default auto). Time to first token = prefill
 + the first token on the host; decode tokens/s = batch x steps / the steps' wall time. Each figure is
 the best of --repeats runs after a warm-up run (graph capture, Triton autotuning).
 
@@ -34,7 +35,7 @@ from bench_model import set_ffn_impl  # scripts/
 
 from twell.model import Decoder, ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
-from twell.model.generate import cache_len_for, generate
+from twell.model.generate import PREFILL_FFN, cache_len_for, generate
 
 IMPLS = ("dense", "twell")
 WARM_TOKENS = 3  # the warm-up run: prefill, graph capture and two replays
@@ -91,8 +92,9 @@ def run_variant(
     """Warm up, then the best of --repeats generate() calls; (row of figures, the greedy tokens)."""
     max_len = cache_len_for(model.cfg.max_seq_len, args.prompt_len, args.new_tokens)
     decoder = Decoder(
-        model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile, fuse_qkv=args.fuse_qkv
-    )
+        model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile, fuse_qkv=args.fuse_qkv,
+        prefill_ffn=args.prefill_ffn,
+    )  # fmt: skip
     generate(model, prompts, WARM_TOKENS, decoder=decoder)
     runs = [generate(model, prompts, args.new_tokens, decoder=decoder) for _ in range(args.repeats)]
     best = min(runs, key=lambda run: run.decode_s)
@@ -103,6 +105,7 @@ def run_variant(
         "graph": args.graph,
         "compiled": args.compile,
         "fused_qkv": decoder._qkv is not None,
+        "prefill_ffn": args.prefill_ffn,
         "ttft_ms": min(run.time_to_first_token_s for run in runs) * 1e3,
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,
         "step_ms": best.decode_s / best.steps * 1e3,
@@ -248,6 +251,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--no-fuse-qkv", dest="fuse_qkv", action="store_false", default=None,
         help="q, k and v as three projections (default: one fused weight where compiled)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-ffn", choices=PREFILL_FFN, default="auto",
+        help="how the prefill runs TwELL layers: auto (dense below 16,384 prompt tokens), dense, model (TwELL)",
     )  # fmt: skip
     p.add_argument("--profile", default=None, help="folder: a per-kernel profile of the decode steps per row")
     p.add_argument(

@@ -12,8 +12,10 @@ batch_size at a time and printed as each batch ends. Other keys: max_new_tokens 
 temperature (0: greedy, the default), top_k (0: off), top_p (1: off), seed (sampling; default 0),
 stop_at_eos (true: a row ends at the tokenizer's EOS), bos (true: each prompt starts with the EOS token,
 which separates documents in training data), batch_size (default 8), device (default cuda if available),
-dtype (default bfloat16 on CUDA, float32 on CPU), cuda_graph (default true on CUDA), out (a JSONL file
-of the prompts and completions).
+dtype (default bfloat16 on CUDA, float32 on CPU), cuda_graph (default true on CUDA), compile (default true
+on CUDA), prefill_ffn (auto, dense or model: how the prompt's pass runs sparse layers; auto, the default,
+takes dense matmuls below 16,384 prompt tokens, where they are faster), out (a JSONL file of the prompts
+and completions).
 """
 
 import json
@@ -36,6 +38,7 @@ SCRIPT_KEYS |= {
     "dtype",
     "cuda_graph",
     "compile",
+    "prefill_ffn",
     "out",
 }
 
@@ -117,8 +120,9 @@ def main(argv=None) -> list[dict]:
     # One cache (and one CUDA graph per batch size) serves every batch.
     max_len = cache_len_for(net.cfg.max_seq_len, max(len(p) for p in prompts), max_new_tokens)
     decoder = Decoder(
-        net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph, compile=compile_blocks
-    )
+        net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph, compile=compile_blocks,
+        prefill_ffn=options.get("prefill_ffn", "auto"),
+    )  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(int(options.get("seed", 0)))
 
     results = []

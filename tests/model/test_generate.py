@@ -31,10 +31,10 @@ def random_prompts(lengths, vocab, seed):
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def teacher_forced_logits(model, prompts, continuations):
+def teacher_forced_logits(model, prompts, continuations, **options):
     """Per row, the cached decoder's logits after each prompt token from the last on: prefill, then
-    one step per continuation token (all rows step together)."""
-    decoder = Decoder(model, len(prompts), 64)
+    one step per continuation token (all rows step together). options: the Decoder's."""
+    decoder = Decoder(model, len(prompts), 64, **options)
     rows = [[logits] for logits in decoder.prefill(prompts)]
     for step in range(len(continuations[0])):
         logits = decoder.step(torch.tensor([c[step] for c in continuations]))
@@ -90,9 +90,9 @@ def test_greedy_equals_transformers_generate_on_the_exported_llama(tmp_path):
 
 @pytest.mark.slow
 def test_sparse_ffn_decodes_as_the_dense_one():
-    """TwELL kernels (interpreter; the fused schedule at 1-2 tokens a step, row above) in every layer,
-    and in one layer of two ("auto" routing), against the dense FFN: the same logits within fp32
-    rounding, the same greedy tokens."""
+    """TwELL kernels (interpreter; the fused schedule at 1-2 tokens a step, row above; the prefill
+    through them too, prefill_ffn="model") in every layer, and in one layer of two ("auto" routing),
+    against the dense FFN: the same logits within fp32 rounding, the same greedy tokens."""
     shape = dict(n_layers=2, n_heads=2, n_kv_heads=2, d_ff=128)
     dense = make_model(4, **shape)
     prompts = random_prompts([3, 1], SHAPE["vocab_size"], 4)
@@ -104,18 +104,23 @@ def test_sparse_ffn_decodes_as_the_dense_one():
         if routing == "second":
             sparse.layers[1].ffn.set_sparse(True)
             assert sparse.ffn_routing() == [False, True]
-        got = teacher_forced_logits(sparse, prompts, continuations)
+        got = teacher_forced_logits(sparse, prompts, continuations, prefill_ffn="model")
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
         if routing == "all":
             assert generate(sparse, prompts, 3).tokens == want_tokens
 
 
-def test_the_ffn_takes_the_twell_kernels_where_the_layer_is_sparse(monkeypatch):
-    """The FFN of a sparse layer, and only there, reaches twell_ffn_inference: with the padded prompts
-    at the prefill, then with one row per sequence a step."""
+@pytest.mark.parametrize("prefill_ffn", ["model", "auto", "auto, long prompts", "dense"])
+def test_the_ffn_takes_the_twell_kernels_where_the_layer_is_sparse(monkeypatch, prefill_ffn):
+    """The FFN of a sparse layer, and only there, reaches twell_ffn_inference: at every step, one row
+    per sequence, and at the prefill with the padded prompts as prefill_ffn says: "model" always,
+    "auto" from DENSE_PREFILL_TOKENS prompt tokens (here lowered to 6), "dense" never."""
     from twell import kernels
+    from twell.model import generate as generation
 
+    if prefill_ffn == "auto, long prompts":
+        monkeypatch.setattr(generation, "DENSE_PREFILL_TOKENS", 6)
     model = make_model(5, n_heads=2, n_kv_heads=2, ffn_impl="auto")
     model.layers[0].ffn.set_sparse(True)
     calls, kernel = [], kernels.twell_ffn_inference
@@ -125,9 +130,13 @@ def test_the_ffn_takes_the_twell_kernels_where_the_layer_is_sparse(monkeypatch):
         return kernel(x, *weights, **options)
 
     monkeypatch.setattr(kernels, "twell_ffn_inference", recorded)
-    tokens = generate(model, [[1, 2, 3], [4]], 3).tokens
+    prompts = [[1, 2, 3], [4]]
+    decoder = Decoder(model, 2, 8, prefill_ffn=prefill_ffn.split(",")[0])
+    tokens = generate(model, prompts, 3, decoder=decoder).tokens
     layer0 = model.layers[0].ffn.w_gate.data_ptr()
-    assert calls == [(2 * 3, layer0), (2, layer0), (2, layer0)]  # prefill (padded), then two steps
+    sparse_prefill = prefill_ffn in ("model", "auto, long prompts")
+    # the prefill (padded prompts) where it is sparse, then two steps
+    assert calls == [(2 * 3, layer0)] * sparse_prefill + [(2, layer0), (2, layer0)]
     dense = make_model(5, n_heads=2, n_kv_heads=2)
     assert tokens == generate(dense, [[1, 2, 3], [4]], 3).tokens
 
@@ -213,6 +222,8 @@ def test_bad_inputs_name_the_fix():
         decoder.step(torch.tensor([2]))
     with pytest.raises(ValueError, match="KV cache max_len=65 exceeds the model's max_seq_len=64"):
         Decoder(model, 1, 65)
+    with pytest.raises(ValueError, match=r"prefill_ffn='sparse' is not one of \('auto', 'dense', 'model'\)"):
+        Decoder(model, 1, 8, prefill_ffn="sparse")
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
         Decoder(model, 1, 8, cuda_graph=True)
 

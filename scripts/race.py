@@ -5,9 +5,16 @@ tokens with the same L1 coefficient, one after the other on this machine, then c
         train.global_batch_tokens=16384 sparsity.l1_coef=1e-3 eval.interval=0 checkpoint.interval=0
 
 Everything after `--` is Hydra overrides for both runs; the sparse run adds model.ffn_impl=auto (the
-paper recipe's default) and the dense twin model.ffn_impl=dense. Writes <out>/race.json, <out>/race.md
-(the table) and <out>/race.png: CE against tokens and against wall-clock seconds, tokens/s over steps,
-active units per token per layer over the sparse run's steps.
+paper recipe's default) and the dense twin model.ffn_impl=dense. `--variant NAME "OVERRIDES"` (repeatable)
+adds a sparse run with more overrides, compared with the dense twin as the sparse one is, e.g. the
+training-health questions of the dead-unit re-initialisation:
+
+    python scripts/race.py --out outputs/health --variant no_reinit "sparsity=paper_no_reinit" \
+        --variant reinit_every_step "sparsity.dead_window_tokens=0" -- experiment=paper_0.5b ... train.steps=800
+
+Writes <out>/race.json, <out>/race.md (the table) and <out>/race.png: CE against tokens and against
+wall-clock seconds, tokens/s over steps, active units per token per layer over the sparse run's steps,
+the gradient norm over steps and the units re-initialised per logging window, for every run.
 
 Speeds are per logging window (metrics.jsonl). "steady" is the median window after --settle steps (the
 compile, the warm-up and the switch to the sparse path happen before it); "slowest" is the slowest window
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -63,34 +71,54 @@ def summarize(records: list[dict], settle: int) -> dict:
         "max_grad_norm_after_settle": max(
             (r["grad_norm"] for r in records if r["step"] > settle), default=records[-1]["grad_norm"]
         ),
+        "reinit_units": sum(records[-1].get("reinit_units") or [0]),  # cumulative over the run
     }
+
+
+def ce_gaps(run: list[dict], dense: list[dict], settle: int) -> tuple[float | None, float | None]:
+    """(worst relative CE gap against the dense twin at the same step after the settle, final gap)."""
+    dense_ce = {r["step"]: r["ce"] for r in dense}
+    gaps = [(r["ce"] - dense_ce[r["step"]]) / dense_ce[r["step"]] for r in run if r["step"] in dense_ce]
+    late_gaps = [g for r, g in zip(run, gaps) if r["step"] > settle] or gaps
+    return (max(late_gaps, key=abs) if late_gaps else None), (gaps[-1] if gaps else None)
 
 
 def compare(runs: dict[str, list[dict]], settle: int) -> dict:
-    sparse, dense = runs["sparse"], runs["dense"]
-    dense_ce = {r["step"]: r["ce"] for r in dense}
-    gaps = [(r["ce"] - dense_ce[r["step"]]) / dense_ce[r["step"]] for r in sparse if r["step"] in dense_ce]
-    late_gaps = [g for r, g in zip(sparse, gaps) if r["step"] > settle] or gaps
+    """Every run summarised; each sparse run (the sparse twin and any --variant) against the dense twin:
+    speed ratio and CE gaps in its summary, the sparse twin's also at the top level."""
     summary = {name: summarize(records, settle) for name, records in runs.items()}
+    for name, records in runs.items():
+        if name != "dense":
+            worst, final = ce_gaps(records, runs["dense"], settle)
+            speedup = summary[name]["steady_tokens_per_s"] / summary["dense"]["steady_tokens_per_s"]
+            summary[name].update(speedup=speedup, worst_ce_gap_after_settle=worst, final_ce_gap=final)
+    sparse = summary["sparse"]
     return {
         **summary,
-        "speedup": summary["sparse"]["steady_tokens_per_s"] / summary["dense"]["steady_tokens_per_s"],
-        "worst_ce_gap_after_settle": max(late_gaps, key=abs) if late_gaps else None,
-        "final_ce_gap": gaps[-1] if gaps else None,
+        "runs": list(runs),
+        "speedup": sparse["speedup"],
+        "worst_ce_gap_after_settle": sparse["worst_ce_gap_after_settle"],
+        "final_ce_gap": sparse["final_ce_gap"],
     }
+
+
+def _percent(value: float | None) -> str:
+    return "" if value is None else f"{value:+.2%}"
 
 
 def table(result: dict) -> str:
     rows = [
-        "| run | steady tokens/s | slowest window after step 20 | final CE | mean active units | max grad norm | seconds |",
-        "|---|---|---|---|---|---|---|",
+        "| run | steady tokens/s | vs dense | slowest window after step 20 | final CE | worst CE gap after the "
+        "settle | mean active units | max grad norm | units re-initialised | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in TWINS:
+    for name in result.get("runs", TWINS):
         s = result[name]
+        speed = f"{s['speedup']:.3f}x" if "speedup" in s else ""
         rows.append(
-            f"| {name} | {s['steady_tokens_per_s']:,.0f} | {s['slowest_window_after_20']:.0%} of steady | "
-            f"{s['final_ce']:.4f} | {s['mean_active']:.1f} | {s['max_grad_norm_after_settle']:.2f} | "
-            f"{s['seconds']:.0f} |"
+            f"| {name} | {s['steady_tokens_per_s']:,.0f} | {speed} | {s['slowest_window_after_20']:.0%} of steady | "
+            f"{s['final_ce']:.4f} | {_percent(s.get('worst_ce_gap_after_settle'))} | {s['mean_active']:.1f} | "
+            f"{s['max_grad_norm_after_settle']:.2f} | {s.get('reinit_units', 0):,} | {s['seconds']:.0f} |"
         )
     gap = result["worst_ce_gap_after_settle"]
     rows.append("")
@@ -107,12 +135,15 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8))
     for name, records in runs.items():
         steps = [r["step"] for r in records]
         axes[0, 0].plot([r["tokens"] for r in records], [r["ce"] for r in records], label=name)
         axes[0, 1].plot([r["seconds"] for r in records], [r["ce"] for r in records], label=name)
         axes[1, 0].plot(steps, [r["tokens_per_s"] for r in records], label=name)
+        axes[0, 2].plot(steps, [r["grad_norm"] for r in records], label=name)
+        reinits = [sum(r.get("reinit_units") or [0]) for r in records]  # cumulative: per window below
+        axes[1, 2].plot(steps, [b - a for a, b in zip([0, *reinits], reinits)], label=name)
     sparse = runs["sparse"]
     for layer in range(len(sparse[0]["active_mean"])):
         axes[1, 1].plot(
@@ -123,14 +154,17 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         [
             ("tokens", "CE"),
             ("wall-clock seconds", "CE"),
+            ("step", "gradient norm"),
             ("step", "tokens/s"),
             ("step", "active units / token (sparse)"),
+            ("step", "units re-initialised per logging window"),
         ],
     ):
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.grid(alpha=0.3)
     axes[1, 1].set_yscale("log")
+    axes[0, 2].set_yscale("log")
     axes[0, 0].legend()
     axes[1, 1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -166,11 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/race", help="folder for both runs and the race's table and plot")
     p.add_argument("--settle", type=int, default=40, help="steps before speeds and CE gaps are compared")
-    p.add_argument("--only", choices=list(TWINS), help="run one twin only (the other's run folder is reused)")
+    p.add_argument(
+        "--variant", nargs=2, action="append", default=[], metavar=("NAME", "OVERRIDES"),
+        help="another sparse run: a name and its extra Hydra overrides in one string (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--only", help="run this one only (sparse, dense or a variant; the others' folders are reused)"
+    )
     args = p.parse_args(own)
+    runs = {name: [impl] for name, impl in TWINS.items()}
+    for name, extra in args.variant:
+        if not name.isidentifier() or name in runs:
+            p.error(f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat)")
+        runs[name] = [TWINS["sparse"], *shlex.split(extra)]
+    if args.only is not None and args.only not in runs:
+        p.error(f"--only {args.only!r} is none of the runs: {', '.join(runs)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, impl in TWINS.items():
+    for name, own_overrides in runs.items():
         if args.only and name != args.only:
             continue
         run_dir = out / name
@@ -178,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable,
             str(ROOT / "train.py"),
             *overrides,
-            impl,
+            *own_overrides,
             f"run_name=race_{name}",
             f"run_dir={run_dir}",
         ]
@@ -192,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         if status:
             print((out / f"{name}.log").read_text()[-3000:], file=sys.stderr)
             return status
-    runs = {name: with_wall_clock(read_records(out / name)) for name in TWINS}
-    result = compare(runs, args.settle)
+    records = {name: with_wall_clock(read_records(out / name)) for name in runs}
+    result = compare(records, args.settle)
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
-    (out / "race.json").write_text(json.dumps({**result, "records": runs}, indent=1))
+    result["variants"] = {name: extra for name, extra in args.variant}
+    (out / "race.json").write_text(json.dumps({**result, "records": records}, indent=1))
     text = table(result)
     (out / "race.md").write_text(text)
-    plot(runs, out / "race.png")
+    plot(records, out / "race.png")
     print(text)
     print(f"[race] wrote {out / 'race.json'}, {out / 'race.md'}, {out / 'race.png'}")
     return 0

@@ -50,8 +50,25 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
 
     overrides = [o for o in tiny_overrides(offline_data, tmp_path, 4) if not o.startswith("run_dir=")]
     overrides += ["sparsity.l1_coef=0.05", "model.twell_threshold=1000", "model.twell_check_interval=2"]
-    assert race.main(["--out", str(tmp_path / "race"), "--settle", "2", "--", *overrides]) == 0
+    # (the variant stays on the dense path, a threshold no layer reaches: the interpreter's TwELL run costs a minute)
+    variant = [
+        "--variant",
+        "every_step",
+        "model.twell_threshold=0.001 sparsity.reinit_dead=true sparsity.dead_window_tokens=0",
+    ]
+    assert race.main(["--out", str(tmp_path / "race"), "--settle", "2", *variant, "--", *overrides]) == 0
     result = json.loads((tmp_path / "race" / "race.json").read_text())
+    # A variant: one more sparse run with its own overrides after the common ones, compared with the
+    # dense twin as well.
+    assert result["runs"] == ["sparse", "dense", "every_step"]
+    assert result["variants"] == {"every_step": variant[2]}
+    launch = json.loads((tmp_path / "race" / "every_step" / "launches.jsonl").read_text().splitlines()[-1])
+    assert launch["argv"][-6:-2] == ["model.ffn_impl=auto", *variant[2].split()]
+    assert result["every_step"]["reinit_units"] == 0 and "worst_ce_gap_after_settle" in result["every_step"]
+    assert (
+        result["every_step"]["speedup"] > 0
+        and "| every_step |" in (tmp_path / "race" / "race.md").read_text()
+    )
     sparse, dense = result["records"]["sparse"], result["records"]["dense"]
     assert [r["step"] for r in sparse] == [r["step"] for r in dense] == list(range(1, 5))
     assert [r["tokens"] for r in sparse] == [256 * s for s in range(1, 5)]

@@ -179,6 +179,11 @@ class TwellLM(TemplateLM):
         until, eot = settings["until"], self.eot_token_id
         new: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
+        # A stop string is looked for in the text of the last few tokens only (a token decodes to at least
+        # a character but for a split multi-byte one): one short decode a token, not the whole row's. A
+        # stop spread over more tokens is missed here, which only lets that row run on: the texts are cut
+        # at their first stop string below, from the whole decode.
+        window = 2 * max(len(stop) for stop in until) + 8
 
         def on_token(tokens) -> bool:
             for row, token in enumerate(tokens):
@@ -188,7 +193,8 @@ class TwellLM(TemplateLM):
                     done[row] = True
                     continue
                 new[row].append(token)
-                done[row] = any(stop in self.tok_decode(new[row]) for stop in until)
+                tail = self.tok_decode(new[row][-window:])
+                done[row] = any(stop in tail for stop in until)
             return all(done)
 
         generator = None

@@ -294,10 +294,14 @@ def _trainers_on_rank(rank: int, world_size: int, port: int, overrides: list[str
         seen["ddp_resumed"] = _full_state(back)
 
         # The TwELL kernels (Triton; its interpreter on CPU) under DDP and under FSDP2: 2 steps of
-        # 2 micro-batches per rank.
-        for parallel in ("ddp", "fsdp"):
-            extra = ("model.ffn_impl=twell", "train.global_batch_tokens=512")
-            seen[f"twell_{parallel}"] = losses(build(parallel, f"twell_{parallel}", 2, *extra).fit())
+        # 2 micro-batches per rank; FSDP2 again with activation checkpointing (selective: the op's
+        # outputs kept, the rest of each block recomputed).
+        for parallel, name, *more in (
+            ("ddp", "twell_ddp"), ("fsdp", "twell_fsdp"),
+            ("fsdp", "twell_fsdp_ac", "train.activation_checkpointing=true"),
+        ):  # fmt: skip
+            extra = ("model.ffn_impl=twell", "train.global_batch_tokens=512", *more)
+            seen[name] = losses(build(parallel, name, 2, *extra).fit())
     finally:
         gc.collect()  # DDP's reducer holds the process group (see train.py)
         destroy()
@@ -362,13 +366,15 @@ def test_an_fsdp_checkpoint_loads_into_one_plain_model(spawned_trainers):
 
 def test_twell_ffn_trains_under_fsdp_like_under_ddp(spawned_trainers):
     """model.ffn_impl=twell: the Triton kernels (on CPU through the interpreter: tests/conftest.py sets
-    TRITON_INTERPRET=1) get the weights FSDP2 gathered for the block."""
+    TRITON_INTERPRET=1) get the weights FSDP2 gathered for the block, with and without activation
+    checkpointing."""
     assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     _, _, seen = spawned_trainers
-    ddp, fsdp = seen["twell_ddp"], seen["twell_fsdp"]
-    assert sorted(fsdp) == [1, 2]
+    ddp, fsdp, fsdp_ac = seen["twell_ddp"], seen["twell_fsdp"], seen["twell_fsdp_ac"]
+    assert sorted(fsdp) == sorted(fsdp_ac) == [1, 2]
     for step, loss in ddp.items():
         assert fsdp[step] == pytest.approx(loss, rel=1e-5), step
+        assert fsdp_ac[step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_validation_record_equals_eval_validation_loss(offline_data, tmp_path):

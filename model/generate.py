@@ -198,6 +198,11 @@ class Decoder:
         self._qkv_versions = self._versions()
 
     @property
+    def fused_qkv(self) -> bool:
+        """Whether the layers' q, k and v projections are read as one fused weight (fuse_qkv)."""
+        return self._qkv is not None
+
+    @property
     def batch_size(self) -> int:
         return self.cache.batch_size
 

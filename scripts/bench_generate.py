@@ -104,7 +104,7 @@ def run_variant(
         "new_tokens": args.new_tokens,
         "graph": args.graph,
         "compiled": args.compile,
-        "fused_qkv": decoder._qkv is not None,
+        "fused_qkv": decoder.fused_qkv,
         "prefill_ffn": args.prefill_ffn,
         "ttft_ms": min(run.time_to_first_token_s for run in runs) * 1e3,
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,

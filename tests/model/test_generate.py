@@ -268,7 +268,7 @@ def test_fused_qkv_projection_decodes_as_the_three_and_follows_weight_updates():
         return torch.stack(logits), decoder
 
     fused, decoder = decode(True)
-    assert decoder._qkv is not None and decode(False)[1]._qkv is None
+    assert decoder.fused_qkv and not decode(False)[1].fused_qkv
     torch.testing.assert_close(fused, decode(False)[0], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         model.layers[1].attn.wk.weight.mul_(1.5)

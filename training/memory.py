@@ -27,9 +27,9 @@ Per GPU, in bytes:
                       (29 units a token, counted as if none were hot) and the row offsets; per layer
                       the hot units' gathered weight rows (3 x 2 K d)
   with activation checkpointing only each block's fp32 input (4 d) stays, plus one block's own
-  activations while it is recomputed; a TwELL block also keeps its FFN's output (2 d) and sparse
-  state, which the recomputation takes instead of running the FFN again (selective checkpointing,
-  kernels.training.train.checkpoint_context);
+  activations while it is recomputed; a compiled TwELL block also keeps its FFN's output (2 d) and
+  sparse state, which the recomputation takes instead of running the FFN again (selective
+  checkpointing, kernels.training.train.checkpoint_context; `keep_ffn_state`);
 - the logits and the loss: bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient
   (2 + 4 + 4 + 4 bytes a vocabulary entry and token);
 - a fixed reserve for the CUDA context, cuBLAS workspaces and the allocator's fragmentation.
@@ -145,11 +145,12 @@ def fsdp_gathered_blocks(n_layers: int, reshard_after_forward: str, prefetch: in
 def estimate_training_memory(
     cfg, micro_batch: int, seq_len: int, *, activation_checkpointing: bool, sparse_ffn: bool,
     world_size: int = 1, sharded: bool = False, bf16: bool = True, grad_accum: int = 1,
-    reshard_after_forward: str = "auto", prefetch: int = 1,
+    reshard_after_forward: str = "auto", prefetch: int = 1, keep_ffn_state: bool = False,
 ) -> MemoryEstimate:  # fmt: skip
     """The peak of one training step on one GPU; `cfg` a ModelConfig; `sharded`: FSDP2 over world_size
     processes (one included), else one process or DDP; bf16: bf16 autocast / FSDP2's bf16 gathers;
-    grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only)."""
+    grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only);
+    keep_ffn_state: checkpointed sparse blocks keep their FFN's output and state (compiled blocks do)."""
     n_params = cfg.num_params()
     shard = world_size if sharded else 1
     state = 4 * n_params // shard
@@ -173,7 +174,7 @@ def estimate_training_memory(
     per_block = block_activation_bytes_per_token(cfg, sparse_ffn, tokens) * tokens
     if activation_checkpointing:
         kept = 4 * cfg.d_model * tokens  # the block's fp32 input
-        if sparse_ffn:  # and its FFN's output and sparse state (selective checkpointing)
+        if sparse_ffn and keep_ffn_state:  # and its FFN's output and sparse state (selective checkpointing)
             per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens)
             kept += (2 * cfg.d_model + per_token) * tokens + per_layer
         activations, recompute = cfg.n_layers * kept, per_block
@@ -190,12 +191,15 @@ def estimate_training_memory(
 
 def job_settings(job, world_size: int, sharded: bool) -> dict:
     """estimate_training_memory's keyword arguments for a JobConfig on a GPU (precision auto is bf16
-    there; an "auto" FFN starts dense, so it is estimated dense), activation checkpointing left out."""
+    there, compile auto on unless under a CUDA graph; an "auto" FFN starts dense, so it is estimated
+    dense), activation checkpointing left out."""
     tcfg = job.train
+    compiled = tcfg.compile == "true" or (tcfg.compile == "auto" and not tcfg.cuda_graph)
     return dict(
         sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
+        keep_ffn_state=compiled,
     )  # fmt: skip
 
 

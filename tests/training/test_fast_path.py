@@ -130,10 +130,11 @@ def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch, compiled):
-    """train.activation_checkpointing=true with TwELL FFNs: each block's recomputed forward takes the
-    op's kept outputs (selective checkpointing), so the op runs once a layer per step, and the gradients
-    are those of the model without checkpointing (compiled: the trainer's per-block torch.compile;
-    equal to fp32 rounding, inductor fusing the ops around the op its own way)."""
+    """train.activation_checkpointing=true with TwELL FFNs and compiled blocks: each block's recomputed
+    forward takes the op's kept outputs (selective checkpointing), so the op runs once a layer per step;
+    eager blocks are checkpointed plainly (the op runs again in the recomputation). The gradients are
+    those of the model without checkpointing (compiled: to fp32 rounding, inductor fusing the ops around
+    the op its own way)."""
     import copy
 
     import twell.kernels.training.train as kt
@@ -160,7 +161,7 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
 
     plain_calls, plain_grads = grads(plain)
     ckpt_calls, ckpt_grads = grads(checkpointed)
-    assert plain_calls == ckpt_calls == cfg.n_layers
+    assert plain_calls == cfg.n_layers and ckpt_calls == cfg.n_layers * (1 if compiled else 2)
     assert plain_grads.keys() == ckpt_grads.keys()
     for name, grad in plain_grads.items():
         if compiled:

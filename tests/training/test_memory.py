@@ -63,7 +63,10 @@ def test_job_settings_follow_the_train_config():
     assert settings == {
         "sparse_ffn": True, "world_size": 2, "sharded": True, "bf16": False,
         "grad_accum": job.train.grad_accum(2), "reshard_after_forward": "false", "prefetch": 2,
+        "keep_ffn_state": True,
     }  # fmt: skip
+    eager = compose_job(["experiment=paper_0.5b", "train.compile=false"])
+    assert job_settings(eager, 1, False)["keep_ffn_state"] is False
 
 
 def test_activations_follow_the_layers_the_tokens_and_the_ffn():
@@ -177,8 +180,8 @@ def test_plan_memory_refuses_bad_values(capsys):
 
 def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
     """The TwELL state is the hot units' gate and up values (from 16,384 tokens a micro-batch, as the
-    kernels choose them) plus the active entries; a checkpointed TwELL block keeps its FFN's output and
-    state (selective checkpointing), so checkpointing saves less with sparse FFNs than with dense ones."""
+    kernels choose them) plus the active entries; a checkpointed compiled TwELL block keeps its FFN's
+    output and state (selective checkpointing), an eager one nothing but its input."""
     from twell.kernels.inference import inference
     from twell.training import memory
 
@@ -193,6 +196,7 @@ def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
     assert small.activations < estimate(sparse_ffn=True).activations / 2  # no hot units under 16k tokens
     layers, tokens = PAPER_1P5B.n_layers, 8 * 2048
     for sparse in (False, True):
-        full = estimate(activation_checkpointing=True, sparse_ffn=sparse)
-        kept = 4 * 2048 * tokens + ((2 * 2048 + per_token) * tokens + per_layer if sparse else 0)
-        assert full.activations == layers * kept
+        for keep in (False, True):
+            full = estimate(activation_checkpointing=True, sparse_ffn=sparse, keep_ffn_state=keep)
+            kept = 4 * 2048 * tokens + ((2 * 2048 + per_token) * tokens + per_layer if sparse and keep else 0)
+            assert full.activations == layers * kept

@@ -134,7 +134,7 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
     forward takes the op's kept outputs (selective checkpointing), so the op runs once a layer per step;
     eager blocks are checkpointed plainly (the op runs again in the recomputation). The gradients are
     those of the model without checkpointing (compiled: to fp32 rounding, inductor fusing the ops around
-    the op its own way)."""
+    the op its own way). Compiled, a step on other tokens (other entry counts) compiles nothing anew."""
     import copy
 
     import twell.kernels.training.train as kt
@@ -151,8 +151,9 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
     apply_block_wrappers(checkpointed, activation_checkpointing=True, compile_blocks=compiled)
     tokens = torch.randint(0, 64, (2, 12))
 
-    def grads(model):
+    def grads(model, tokens=tokens):
         calls.clear()
+        model.zero_grad(set_to_none=True)
         out = model(tokens)
         loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens.flatten()) + 0.1 * out.l1
         loss.backward()
@@ -168,3 +169,6 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
             torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max())
         else:
             assert torch.equal(grad, ckpt_grads[name]), name
+    if compiled:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert grads(checkpointed, torch.randint(0, 64, (2, 12)))[0] == cfg.n_layers

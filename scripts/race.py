@@ -205,20 +205,22 @@ def main(argv: list[str] | None = None) -> int:
         help="another sparse run: a name and its extra Hydra overrides in one string (repeatable)",
     )  # fmt: skip
     p.add_argument(
-        "--only", help="run this one only (sparse, dense or a variant; the others' folders are reused)"
-    )
+        "--only", nargs="+", default=None,
+        help="run these only (sparse, dense or variants); the others' folders are reused, a variant not run yet is left out",
+    )  # fmt: skip
     args = p.parse_args(own)
     runs = {name: [impl] for name, impl in TWINS.items()}
     for name, extra in args.variant:
         if not name.isidentifier() or name in runs:
             p.error(f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat)")
         runs[name] = [TWINS["sparse"], *shlex.split(extra)]
-    if args.only is not None and args.only not in runs:
-        p.error(f"--only {args.only!r} is none of the runs: {', '.join(runs)}")
+    for name in args.only or ():
+        if name not in runs:
+            p.error(f"--only {name!r} is none of the runs: {', '.join(runs)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, own_overrides in runs.items():
-        if args.only and name != args.only:
+        if args.only and name not in args.only:
             continue
         run_dir = out / name
         cmd = [
@@ -239,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         if status:
             print((out / f"{name}.log").read_text()[-3000:], file=sys.stderr)
             return status
-    records = {name: with_wall_clock(read_records(out / name)) for name in runs}
+    missing = [name for name in runs if name not in TWINS and not (out / name / "metrics.jsonl").is_file()]
+    if missing:
+        print(f"[race] not run yet, left out of the table: {', '.join(missing)}")
+    records = {name: with_wall_clock(read_records(out / name)) for name in runs if name not in missing}
     result = compare(records, args.settle)
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
     result["variants"] = {name: extra for name, extra in args.variant}

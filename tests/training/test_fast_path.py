@@ -69,6 +69,13 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
         result["every_step"]["speedup"] > 0
         and "| every_step |" in (tmp_path / "race" / "race.md").read_text()
     )
+    # --only reruns some runs and reuses the others' folders; a variant not run yet is left out of the table.
+    later = ["--variant", "later", "sparsity.l1_coef=0.1", "--only", "dense", "every_step"]
+    assert (
+        race.main(["--out", str(tmp_path / "race"), "--settle", "2", *variant, *later, "--", *overrides]) == 0
+    )
+    result = json.loads((tmp_path / "race" / "race.json").read_text())
+    assert result["runs"] == ["sparse", "dense", "every_step"] and "later" in result["variants"]
     sparse, dense = result["records"]["sparse"], result["records"]["dense"]
     assert [r["step"] for r in sparse] == [r["step"] for r in dense] == list(range(1, 5))
     assert [r["tokens"] for r in sparse] == [256 * s for s in range(1, 5)]

@@ -71,7 +71,7 @@ def summarize(records: list[dict], settle: int) -> dict:
         "max_grad_norm_after_settle": max(
             (r["grad_norm"] for r in records if r["step"] > settle), default=records[-1]["grad_norm"]
         ),
-        "reinit_units": sum(records[-1].get("reinit_units") or [0]),  # cumulative over the run
+        "reinit_units": sum(sum(r.get("reinit_units") or [0]) for r in records),  # logged per window
     }
 
 
@@ -142,8 +142,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         axes[0, 1].plot([r["seconds"] for r in records], [r["ce"] for r in records], label=name)
         axes[1, 0].plot(steps, [r["tokens_per_s"] for r in records], label=name)
         axes[0, 2].plot(steps, [r["grad_norm"] for r in records], label=name)
-        reinits = [sum(r.get("reinit_units") or [0]) for r in records]  # cumulative: per window below
-        axes[1, 2].plot(steps, [b - a for a, b in zip([0, *reinits], reinits)], label=name)
+        axes[1, 2].plot(steps, [sum(r.get("reinit_units") or [0]) for r in records], label=name)
     sparse = runs["sparse"]
     for layer in range(len(sparse[0]["active_mean"])):
         axes[1, 1].plot(

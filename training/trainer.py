@@ -99,11 +99,25 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
                 from twell.kernels.training.train import checkpoint_context
 
                 options["context_fn"] = checkpoint_context
+                _quiet_in_place_warning()
             block = checkpoint_wrapper(block, **options)
         if compile_blocks:
             configure_compile()
             block.compile()
         model.layers[index] = block
+
+
+def _drop_in_place_warning(record: logging.LogRecord) -> bool:
+    return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+def _quiet_in_place_warning() -> None:
+    """torch.compile warns, once per process, that a checkpoint with a policy must not hold in-place
+    ops; a block's training forward holds none (tests/training/test_fast_path.py checks it), so the
+    warning would only puzzle the run's log."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if _drop_in_place_warning not in logger.filters:
+        logger.addFilter(_drop_in_place_warning)
 
 
 def resolve_block_wrappers(

@@ -179,3 +179,31 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
     if compiled:
         with torch._dynamo.config.patch(error_on_recompile=True):
             assert grads(checkpointed, torch.randint(0, 64, (2, 12)))[0] == cfg.n_layers
+
+
+def test_a_block_training_forward_holds_no_in_place_op():
+    """Selective checkpointing under torch.compile needs a checkpointed region without in-place ops (the
+    trainer silences torch's warning about them on that ground): a block's training forward, dense and
+    TwELL, runs none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from twell.model import ModelConfig, Transformer
+
+    class Mutations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for impl in ("dense", "twell"):
+        model = Transformer(
+            ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, d_ff=128, ffn_impl=impl)
+        )
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        with Mutations() as seen:
+            model.layers[0](x, model.rope_cos[:8], model.rope_sin[:8])
+        assert seen.ops == [], (impl, seen.ops)

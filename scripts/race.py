@@ -112,13 +112,13 @@ def table(result: dict) -> str:
         "settle | mean active units | max grad norm | units re-initialised | seconds |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in result.get("runs", TWINS):
+    for name in result["runs"]:
         s = result[name]
         speed = f"{s['speedup']:.3f}x" if "speedup" in s else ""
         rows.append(
             f"| {name} | {s['steady_tokens_per_s']:,.0f} | {speed} | {s['slowest_window_after_20']:.0%} of steady | "
             f"{s['final_ce']:.4f} | {_percent(s.get('worst_ce_gap_after_settle'))} | {s['mean_active']:.1f} | "
-            f"{s['max_grad_norm_after_settle']:.2f} | {s.get('reinit_units', 0):,} | {s['seconds']:.0f} |"
+            f"{s['max_grad_norm_after_settle']:.2f} | {s['reinit_units']:,} | {s['seconds']:.0f} |"
         )
     gap = result["worst_ce_gap_after_settle"]
     rows.append("")

@@ -172,6 +172,11 @@ class TrainConfig:
                 "or train.device=auto on a GPU machine"
             )
 
+    def compiles(self, on_gpu: bool = True) -> bool:
+        """Whether the blocks go through torch.compile: compile=true, or auto on a GPU unless the step
+        is replayed from a CUDA graph."""
+        return self.compile == "true" or (self.compile == "auto" and on_gpu and not self.cuda_graph)
+
     def grad_accum(self, world_size: int) -> int:
         """Micro-steps per optimizer step on each rank; the global batch must split evenly."""
         per_step = self.micro_batch * self.seq_len * world_size

@@ -49,6 +49,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The training op's default hot units on a GPU (kernels.inference.inference.default_hot_units, which
+# takes none under the interpreter: the planner plans for the GPU).
+from twell.kernels.inference.inference import DEFAULT_HOT_UNITS, HOT_MIN_TOKENS
+
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
 FIT_FRACTION = 0.9  # activation checkpointing goes off only when the estimate fits in this share
@@ -92,8 +96,6 @@ class MemoryEstimate:
 # Active units a token that the sparse state is sized for: the paper's activity (model/calibrate.py).
 PAPER_ACTIVE_UNITS = 29
 ENTRY_BYTES = 4 + 4 + 2 + 4  # an active entry's row, column, bf16 gate and fp32 up value
-# The training op's hot units by default (kernels.inference.inference.default_hot_units on a GPU).
-HOT_MIN_TOKENS, DEFAULT_HOT_UNITS = 16384, 1024
 
 
 def hot_units(cfg, tokens: int) -> int:
@@ -194,12 +196,11 @@ def job_settings(job, world_size: int, sharded: bool) -> dict:
     there, compile auto on unless under a CUDA graph; an "auto" FFN starts dense, so it is estimated
     dense), activation checkpointing left out."""
     tcfg = job.train
-    compiled = tcfg.compile == "true" or (tcfg.compile == "auto" and not tcfg.cuda_graph)
     return dict(
         sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
-        keep_ffn_state=compiled,
+        keep_ffn_state=tcfg.compiles(),
     )  # fmt: skip
 
 

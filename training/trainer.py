@@ -131,7 +131,7 @@ def resolve_block_wrappers(
     without it; never under a CUDA graph. An "auto" FFN starts dense, so it is estimated dense."""
     tcfg, mcfg = job.train, job.model
     on_gpu = device.type == "cuda"
-    compile_blocks = tcfg.compile == "true" or (tcfg.compile == "auto" and on_gpu and not tcfg.cuda_graph)
+    compile_blocks = tcfg.compiles(on_gpu)
     if tcfg.activation_checkpointing != "auto":
         return tcfg.activation_checkpointing == "true", compile_blocks
     if not on_gpu:

@@ -60,3 +60,15 @@ def offline_tasks(tmp_path_factory):
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out
+
+
+@pytest.fixture
+def op_forward_calls(monkeypatch):
+    """A list that gets one entry per forward the TwELL training op runs (a spy on its sized forward
+    that calls through); clear it to count from a point on."""
+    import twell.kernels.training.train as kt
+
+    calls = []
+    forward_sized = kt._forward_sized
+    monkeypatch.setattr(kt, "_forward_sized", lambda *a: calls.append(1) or forward_sized(*a))
+    return calls

@@ -136,7 +136,7 @@ def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch, compiled):
+def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(op_forward_calls, compiled):
     """train.activation_checkpointing=true with TwELL FFNs and compiled blocks: each block's recomputed
     forward takes the op's kept outputs (selective checkpointing), so the op runs once a layer per step;
     eager blocks are checkpointed plainly (the op runs again in the recomputation). The gradients are
@@ -144,13 +144,10 @@ def test_checkpointed_sparse_blocks_do_not_run_the_ffn_forward_again(monkeypatch
     the op its own way). Compiled, a step on other tokens (other entry counts) compiles nothing anew."""
     import copy
 
-    import twell.kernels.training.train as kt
     from twell.model import ModelConfig, Transformer
     from twell.training.trainer import apply_block_wrappers
 
-    calls = []
-    forward_sized = kt._forward_sized
-    monkeypatch.setattr(kt, "_forward_sized", lambda *a: calls.append(1) or forward_sized(*a))
+    calls = op_forward_calls
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=3, n_heads=2, d_ff=128, ffn_impl="twell")
     plain = Transformer(cfg)

@@ -198,14 +198,12 @@ def test_checkpointing_recomputes_the_same_gradients():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_selective_checkpointing_keeps_the_op_outputs_instead_of_running_it_again(monkeypatch, compiled):
+def test_selective_checkpointing_keeps_the_op_outputs_instead_of_running_it_again(op_forward_calls, compiled):
     """Under checkpoint_context the recomputed forward takes the op's kept outputs: the op runs once per
     forward and backward (plain checkpointing: twice), with the same gradients as no checkpointing."""
     import twell.kernels.training.train as kt
 
-    calls = []
-    forward_sized = kt._forward_sized
-    monkeypatch.setattr(kt, "_forward_sized", lambda *a: calls.append(1) or forward_sized(*a))
+    calls = op_forward_calls
     inputs = _inputs(19, 64, 192, torch.float32)
     grad_y = torch.randn(19, 64, device=DEVICE)
 

@@ -90,6 +90,11 @@ def run_variant(
     model: Transformer, prompts: torch.Tensor, args, device: torch.device
 ) -> tuple[dict, list[list[int]]]:
     """Warm up, then the best of --repeats generate() calls; (row of figures, the greedy tokens)."""
+    if args.compile:
+        # Every row compiles from scratch, as a fresh process would: torch.compile specialises a prefill
+        # to the first prompt shape it meets and makes the graph dynamic on the next one, so rows run
+        # after another batch size would otherwise time a different (dynamic-shape) graph.
+        torch._dynamo.reset()
     max_len = cache_len_for(model.cfg.max_seq_len, args.prompt_len, args.new_tokens)
     decoder = Decoder(
         model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile, fuse_qkv=args.fuse_qkv,

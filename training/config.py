@@ -226,10 +226,17 @@ class LoggingConfig:
     wandb_project: str = "twell"
     wandb_entity: str | None = None
     wandb_tags: list[str] = field(default_factory=list)
+    # torch.profiler over the optimizer steps after step profile_at (0 = off): a trace and a summary of
+    # where the step's time goes (GPU busy vs idle, GPU time by kind of kernel) under <run_dir>/profile/
+    # and one JSONL / wandb record (training/profiling.py)
+    profile_at: int = 0
+    profile_steps: int = 3
 
     def __post_init__(self):
         _choice("logging.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
         _positive("logging.log_interval", self.log_interval)
+        _positive("logging.profile_at", self.profile_at, allow_zero=True)
+        _positive("logging.profile_steps", self.profile_steps)
 
 
 @dataclass

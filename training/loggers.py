@@ -112,6 +112,8 @@ class ConsoleSink:
             line += f" dead {sum(record['dead_frac']) / len(means):.1%}"
         if "ffn_sparse" in record:
             line += f" sparse layers {sum(record['ffn_sparse'])}/{len(record['ffn_sparse'])}"
+        if not line:  # nothing of the console's (a profile record: the trainer printed its summary)
+            return
         if self.bar.disable and "loss" in record:
             line += self._timing(step)
         self.bar.write(f"step {step}/{self.total_steps}: {line}")

@@ -50,6 +50,7 @@ from twell.training.loggers import RunLogger
 from twell.training.memory import GIB, choose_activation_checkpointing, job_settings
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
 from twell.training.optim import build_optimizer, set_lr
+from twell.training.profiling import StepProfiler, format_summary
 from twell.training.routing import choose_threshold
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
@@ -414,11 +415,26 @@ class Trainer:
         previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
         records = []
         last_saved = start_step if start_step > 0 else None
+        lcfg = self.job.logging
+        profiler = StepProfiler(
+            lcfg.profile_at,
+            lcfg.profile_steps,
+            self.run_dir / "profile",
+            self.device,
+            prefix="" if self.info.is_main else f"rank{self.info.rank}_",
+        )
         try:
             self.model.train()
             self._reset_window()
             while self.step < self.total_steps:
+                profiler.before_step(self.step)
                 self.train_step()
+                profile = profiler.after_step(self.step)
+                if profile is not None:
+                    self._window_t0 += profiler.write_s  # writing the trace is not training time
+                    self._say(f"profile of steps {lcfg.profile_at + 1}-{self.step} ({profiler.out_dir}):")
+                    self._say(format_summary(profile))
+                    records.append(self._log_profile(profile))
                 if self.step % self.job.logging.log_interval == 0 or self.step == self.total_steps:
                     records.append(self._log_window())
                 due = [e for e in self.evaluators if e.interval and self.step % e.interval == 0]
@@ -671,6 +687,17 @@ class Trainer:
             record["ffn_sparse"] = [int(ffn._sparse_now) for ffn in self.ffns]
         self.logger.log(record)
         self._reset_window()
+        return record
+
+    def _log_profile(self, summary: dict) -> dict:
+        """The profiled steps' figures as one record (flat keys, profile/*: one wandb panel group)."""
+        record = {"step": self.step, "kind": "profile"}
+        for key, value in summary.items():
+            if key == "gpu_ms_by_kind":
+                record.update({f"profile/gpu_ms/{kind}": ms for kind, ms in value.items()})
+            else:
+                record[f"profile/{key}"] = value
+        self.logger.log(record)
         return record
 
     def _evaluate(self, evaluators: list[Evaluator]) -> dict:

@@ -1,0 +1,87 @@
+"""logging.profile_at: the profiled steps' trace and summary, the kernel kinds and the GPU busy time."""
+
+import json
+
+import pytest
+from trainer_helpers import run_job, tiny_overrides
+
+from twell.training.config import LoggingConfig
+from twell.training.profiling import busy_us, format_summary, kernel_kind, summarize
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+        ("_segment_axpy_kernel", "twell"),
+        ("_relu_bits_persistent_kernel", "twell"),
+        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "inductor"),
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+            "optimizer",
+        ),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+        ("void cub::DeviceRadixSortOnesweepKernel<Policy, false, int, int>", "other"),
+    ],
+)
+def test_kernel_kinds_by_name(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # two streams overlapping (0-10 and 5-12), one nested (6-8), then a gap and one more (20-25)
+    assert busy_us([(0, 10), (5, 12), (6, 8), (20, 25)]) == pytest.approx(17.0)
+    assert busy_us([]) == 0.0
+
+
+def test_summary_per_step_and_by_kind():
+    kernels = [
+        ("nvjet_gemm", 0.0, 600.0),
+        ("_row_fwd_kernel", 600.0, 900.0),
+        ("_row_fwd_kernel", 2000.0, 2300.0),
+    ]
+    s = summarize(kernels, wall_s=4e-3, steps=2)  # 2 steps in 4 ms, kernels busy 1.2 ms of it
+    assert s["wall_ms"] == pytest.approx(2.0)
+    assert s["gpu_busy_ms"] == pytest.approx(0.6)
+    assert s["gpu_idle_ms"] == pytest.approx(1.4)
+    assert s["gpu_busy_share"] == pytest.approx(0.3)
+    assert s["kernels"] == pytest.approx(1.5)
+    assert s["gpu_ms_by_kind"] == {"gemm": pytest.approx(0.3), "twell": pytest.approx(0.3)}
+    text = format_summary(s)
+    assert "GPU busy 0.60 ms (30.0%), idle 1.40 ms" in text and "twell" in text
+
+
+def test_profile_settings_are_checked():
+    with pytest.raises(ValueError, match="logging.profile_steps=0"):
+        LoggingConfig(profile_steps=0)
+    with pytest.raises(ValueError, match="logging.profile_at=-1"):
+        LoggingConfig(profile_at=-1)
+
+
+def test_a_run_profiles_the_steps_after_profile_at(offline_data, tmp_path):
+    """steps 3-4 of a 5-step CPU run are profiled: a trace, a summary with its table, one JSONL record
+    (kind profile) at step 4; the training records and their steps are those of an unprofiled run."""
+    plain = run_job(tiny_overrides(offline_data, tmp_path / "plain", 5, "logging.log_interval=1"))
+    run_dir = tmp_path / "profiled"
+    train = run_job(
+        tiny_overrides(
+            offline_data,
+            run_dir,
+            5,
+            "logging.log_interval=1",
+            "logging.profile_at=2",
+            "logging.profile_steps=2",
+        )
+    )
+    trace = json.loads((run_dir / "profile" / "step_2.trace.json").read_text())
+    assert trace["traceEvents"]
+    summary = (run_dir / "profile" / "step_2.txt").read_text()
+    assert summary.startswith("2 steps profiled: wall") and "Self CPU" in summary
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    profiled = [r for r in logged if r.get("kind") == "profile"]
+    assert len(profiled) == 1 and profiled[0]["step"] == 4 and profiled[0]["profile/wall_ms"] > 0
+    assert [(r["step"], r["loss"]) for r in train] == [(r["step"], r["loss"]) for r in plain if "loss" in r]

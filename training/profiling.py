@@ -1,0 +1,143 @@
+"""Where a training step's time goes: torch.profiler over a few optimizer steps of the real run.
+
+`logging.profile_at=N` profiles steps N+1 .. N+logging.profile_steps (the optimizer steps that follow
+step N) and writes, under <run_dir>/profile/ (rank 0; other ranks as rank<r>_*):
+  step_<N>.trace.json  the Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev)
+  step_<N>.txt         the summary below, then the kernels by GPU time
+The summary splits the GPU's busy time by kind of kernel (GEMMs, attention, TwELL's Triton kernels,
+Inductor's fused kernels, optimizer, communication, other) and names the idle time: wall time per step
+minus the time some kernel was running. Idle time is the host's share (launch overhead, host syncs,
+data): a step whose GPU is busy 98% of its wall time is bound by its kernels, one busy 70% by the host.
+The same figures go to the run's JSONL / wandb as one record (kind "profile").
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+
+# Kernel name -> kind, first match wins. Inductor names its generated Triton kernels triton_*; the
+# TwELL kernels (kernels/) are Triton kernels named _*_kernel.
+KERNEL_KINDS = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|sm\d+_.*(tn|nt|nn|tt)", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
+    ("inductor", re.compile(r"^triton_")),
+    ("twell", re.compile(r"^_\w+_kernel$")),
+)
+KINDS = tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel from its name (KERNEL_KINDS); "other" for copies, reductions, etc."""
+    for kind, pattern in KERNEL_KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (us): the time at least one kernel ran (kernels of
+    several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def summarize(kernels: list[tuple[str, float, float]], wall_s: float, steps: int) -> dict:
+    """kernels: (name, start us, end us) of every GPU kernel of `steps` steps that took wall_s seconds.
+    Returns per-step figures: wall, GPU busy, idle, the busy share, and GPU time (ms) by kind."""
+    per_step = 1e3 / steps
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    for name, start, end in kernels:
+        by_kind[kernel_kind(name)] += end - start
+    busy = busy_us([(s, e) for _, s, e in kernels])
+    wall_ms = wall_s * per_step
+    return {
+        "steps": steps,
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": busy / 1e3 / steps,
+        "gpu_idle_ms": max(wall_ms - busy / 1e3 / steps, 0.0),
+        "gpu_busy_share": busy / 1e3 / steps / wall_ms if wall_ms > 0 else 0.0,
+        "kernels": len(kernels) / steps,
+        "gpu_ms_by_kind": {kind: us / 1e3 / steps for kind, us in by_kind.items() if us},
+    }
+
+
+def format_summary(summary: dict) -> str:
+    if not summary["kernels"]:
+        return f"{summary['steps']} steps profiled: wall {summary['wall_ms']:.2f} ms/step (no GPU kernels: a CPU run)"
+    lines = [
+        f"{summary['steps']} steps profiled: wall {summary['wall_ms']:.2f} ms/step, GPU busy "
+        f"{summary['gpu_busy_ms']:.2f} ms ({summary['gpu_busy_share']:.1%}), idle {summary['gpu_idle_ms']:.2f} ms, "
+        f"{summary['kernels']:.0f} kernels/step",
+        "GPU time by kind of kernel (ms/step; kinds overlap where streams run side by side):",
+    ]
+    for kind, ms in sorted(summary["gpu_ms_by_kind"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<14} {ms:9.2f}")
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """Profiles the optimizer steps after step `at` (see the module doc). Call `before_step(step)` before
+    each step and `after_step(step)` after it; it starts and stops itself. `at` 0 (or less): off."""
+
+    def __init__(self, at: int, steps: int, out_dir: Path, device: torch.device, prefix: str = ""):
+        if steps < 1:
+            raise ValueError(f"logging.profile_steps={steps} must be >= 1 (optimizer steps to profile)")
+        self.at, self.steps, self.out_dir, self.device, self.prefix = at, steps, Path(out_dir), device, prefix
+        self._prof = None
+        self._t0 = 0.0
+        self.summary: dict | None = None
+        self.write_s = 0.0  # seconds spent writing the trace and the table (not training time)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_step(self, step: int) -> None:
+        if self.at <= 0 or step != self.at or self._prof is not None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._sync()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> dict | None:
+        """The summary once the last profiled step is done (files written), else None."""
+        if self._prof is None or step < self.at + self.steps:
+            return None
+        self._sync()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        kernels = [
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        self.summary = summarize(kernels, wall, self.steps)
+        t_write = time.perf_counter()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        stem = self.out_dir / f"{self.prefix}step_{self.at}"
+        prof.export_chrome_trace(str(stem) + ".trace.json")
+        sort = "cuda_time_total" if kernels else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=80)
+        Path(str(stem) + ".txt").write_text(format_summary(self.summary) + "\n\n" + table + "\n")
+        self.write_s = time.perf_counter() - t_write
+        return self.summary

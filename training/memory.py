@@ -29,7 +29,7 @@ Per GPU, in bytes:
   with activation checkpointing only each block's fp32 input (4 d) stays, plus one block's own
   activations while it is recomputed; a compiled TwELL block also keeps its FFN's output (2 d) and
   sparse state, which the recomputation takes instead of running the FFN again (selective
-  checkpointing, kernels.training.train.checkpoint_context; `keep_ffn_state`);
+  checkpointing, kernels.training.train.checkpoint_context, torch >= 2.12.1; `keep_ffn_state`);
 - the logits and the loss: bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient
   (2 + 4 + 4 + 4 bytes a vocabulary entry and token);
 - a fixed reserve for the CUDA context, cuBLAS workspaces and the allocator's fragmentation.
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 # The training op's default hot units on a GPU (kernels.inference.inference.default_hot_units, which
 # takes none under the interpreter: the planner plans for the GPU).
 from twell.kernels.inference.inference import DEFAULT_HOT_UNITS, HOT_MIN_TOKENS
+from twell.kernels.training.train import compiled_selective_checkpointing
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -200,7 +201,7 @@ def job_settings(job, world_size: int, sharded: bool) -> dict:
         sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
-        keep_ffn_state=tcfg.compiles(),
+        keep_ffn_state=tcfg.compiles() and compiled_selective_checkpointing(),
     )  # fmt: skip
 
 

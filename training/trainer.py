@@ -84,7 +84,8 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
 
     Compiled blocks whose FFN may take the TwELL path are checkpointed selectively: the training op's
     outputs (its small sparse state) are kept and everything else is recomputed, so the backward pass
-    does not run the FFN's forward again (kernels.training.train.checkpoint_context). Not eager blocks:
+    does not run the FFN's forward again (kernels.training.train.checkpoint_context; torch >= 2.12.1,
+    which compiles it: compiled_selective_checkpointing). Not eager blocks:
     there the policy runs as a dispatch mode that adds Python work to every operator of the block, in the
     forward and in the recomputation (a small block's forward and backward on a CPU: 5.8 ms with plain
     checkpointing, 12.1 ms with a policy that keeps nothing), more than the FFN's recomputation costs;
@@ -95,10 +96,10 @@ def apply_block_wrappers(model: nn.Module, activation_checkpointing: bool, compi
         if activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            options = {}
-            if block.ffn.impl != "dense" and compile_blocks:
-                from twell.kernels.training.train import checkpoint_context
+            from twell.kernels.training.train import checkpoint_context, compiled_selective_checkpointing
 
+            options = {}
+            if block.ffn.impl != "dense" and compile_blocks and compiled_selective_checkpointing():
                 options["context_fn"] = checkpoint_context
                 _quiet_in_place_warning()
             block = checkpoint_wrapper(block, **options)

@@ -600,6 +600,19 @@ def keep_ffn_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# torch.compile of a block checkpointed with checkpoint_context fails in torch 2.11 (inductor, compiling the
+# backward: "Unsupported inductor graph input type: GreaterThan"; the 1.5b trainer on an H200 and a CPU
+# reproduction, 2026-12-05) and compiles in 2.12.1 and 2.13 (CPU, inductor). Below this version compiled
+# blocks are checkpointed plainly: the op runs again in the recomputation, as eager blocks do.
+SELECTIVE_CHECKPOINT_MIN_TORCH = "2.12.1"
+
+
+def compiled_selective_checkpointing() -> bool:
+    """Whether this torch compiles blocks checkpointed with checkpoint_context (the trainer's choice, and
+    the memory planner's)."""
+    return torch.__version__ >= SELECTIVE_CHECKPOINT_MIN_TORCH
+
+
 def checkpoint_context():
     """`context_fn` for torch.utils.checkpoint (non-reentrant) and checkpoint_wrapper around blocks with
     TwELL FFNs: keep_ffn_outputs as the policy. Works eagerly (twell_ffn dispatches the custom op under

@@ -69,6 +69,16 @@ def test_job_settings_follow_the_train_config():
     assert job_settings(eager, 1, False)["keep_ffn_state"] is False
 
 
+def test_compiled_blocks_keep_no_ffn_state_where_torch_cannot_compile_the_policy(monkeypatch):
+    """Below SELECTIVE_CHECKPOINT_MIN_TORCH compiled blocks are checkpointed plainly: nothing kept."""
+    import twell.training.memory as memory
+
+    job = compose_job(["experiment=paper_0.5b", "train.compile=true", "model.ffn_impl=twell"])
+    assert job_settings(job, 1, False)["keep_ffn_state"] is True  # the test environment's torch >= 2.12.1
+    monkeypatch.setattr(memory, "compiled_selective_checkpointing", lambda: False)
+    assert job_settings(job, 1, False)["keep_ffn_state"] is False
+
+
 def test_activations_follow_the_layers_the_tokens_and_the_ffn():
     dense, sparse = estimate(), estimate(sparse_ffn=True)
     assert sparse.activations < dense.activations

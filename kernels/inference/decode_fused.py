@@ -1,8 +1,7 @@
 """The decode FFN in one kernel (schedule "fused", up to 8 tokens): gate GEMV, gathers and sums, one launch.
 
-One program per slice of TILE_N units of d_ff (program t takes units t, t + T, t + 2T, ... of the
-T = d_ff / TILE_N programs, so that units ordered by firing rate spread over every program; TILE_N 32 or
-64, tuned: 64 gives 88 programs at d_ff 5632, fewer than an H200's 132 SMs) computes the slice's gate
+One program per slice of 64 units of d_ff (program t takes units t, t + T, t + 2T, ... of the T = d_ff / 64
+programs, so that units ordered by firing rate spread over every program) computes the slice's gate
 pre-activations for all tokens (a TMA GEMV: the whole batch is one 16-row tile), then walks its units that
 fire for any token, CH at a time: their w_up and w_down rows are loaded once (one memory round trip
 for every token of the batch), and each token that uses one of them adds its partial row
@@ -34,8 +33,7 @@ import triton.language as tl
 from .._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
 from ..gate_gemm import gate_tile_preact
 
-FUSED_TILE_N = 64  # units per program without tuning (the interpreter): F / 64 programs (88 at d_ff 5632)
-FUSED_TILE_NS = (32, 64)  # the tuned choices (d_ff is a multiple of 64)
+FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
 # The last program's [M, d_model] read of y32 stays in registers (the default call stops earlier:
 # kernels.inference.inference.default_fused_tokens).
@@ -54,6 +52,7 @@ def _fused_decode_kernel(
     ticket_ptr,
     M,
     F,
+    T,
     M_BUCKET,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -72,7 +71,6 @@ def _fused_decode_kernel(
     # ordered by firing rate (Transformer.order_ffn_units) put the hottest ones first, and contiguous
     # slices would hand them all to the first programs, whose walks then set the kernel's time.
     tile = tl.program_id(0)
-    T = F // TILE_N
     rows = tl.arange(0, BLOCK_M)
     js = tl.arange(0, TILE_N)
     cols = js * T + tile
@@ -135,23 +133,17 @@ def _fused_decode_kernel(
 
 
 def _set_desc_blocks(nargs):
-    """Autotune pre-hook: the TMA descriptors carry the config's block shape, and w_gate's the config's
-    [TILE_N, F / TILE_N, D] view (program t's units t + T j are its box [TILE_N, 1, BLOCK_K])."""
+    """Autotune pre-hook: the TMA descriptors carry the config's block shape."""
     if nargs["TMA"]:
         nargs["x_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        w_src, n, D = nargs["w_src"], nargs["TILE_N"], nargs["D"]
-        T = nargs["F"] // n
-        w_src.shape, w_src.strides = [n, T, D], [T * D, D, 1]
-        w_src.block_shape = [n, 1, nargs["BLOCK_K"]]
+        nargs["w_src"].block_shape = [nargs["TILE_N"], 1, nargs["BLOCK_K"]]
 
 
 def _fused_configs() -> list[triton.Config]:
-    # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH weight rows per gather;
-    # TILE_N units per program (32: twice the programs, every SM busy at d_ff 5632).
+    # The decode gate's table (deep pipelines of wide K steps for the GEMV); CH weight rows per gather.
     return [
-        triton.Config({"CH": ch, "TILE_N": n}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
+        triton.Config({"CH": ch}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
         for w, s, ch in ((4, 4, 4), (8, 4, 4), (4, 6, 4), (8, 6, 8))
-        for n in FUSED_TILE_NS
     ]
 
 
@@ -179,45 +171,38 @@ def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.T
     return ws
 
 
-def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile_n: int | None = None) -> torch.Tensor:
+def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
     """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks, the token bound included, are
-    the caller's; `workspace` from fused_workspace). tile_n: units per program (FUSED_TILE_NS), tuned
-    when None (the interpreter: FUSED_TILE_N)."""
+    the caller's; `workspace` from fused_workspace)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, D = x.shape
     F = w_gate.shape[0]
     ticket, y32 = workspace
-    if tile_n is not None and tile_n not in FUSED_TILE_NS:
-        raise ValueError(f"tile_n={tile_n} is not one of {FUSED_TILE_NS} (units per program)")
+    T = F // FUSED_TILE_N  # d_ff is a multiple of 64 (check_x_weight): program t takes units t + T j
     tma = tma_ready(x, w_gate)  # TMA loads for the gate GEMV (Hopper+, aligned), else pointer loads
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
     if tma:
         x_src = TensorDescriptor.from_tensor(x, [GATE_BLOCK_M, block_k])
-        # re-viewed [TILE_N, F / TILE_N, D] for each config by its pre-hook (_set_desc_blocks)
-        n = FUSED_TILE_N
-        w_src = TensorDescriptor.from_tensor(w_gate.view(n, F // n, D), [n, 1, block_k])
+        w_src = TensorDescriptor.from_tensor(w_gate.view(FUSED_TILE_N, T, D), [FUSED_TILE_N, 1, block_k])
     else:
         x_src, w_src = x, w_gate
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    args = (x_src, w_src, x, w_up, w_down, y, y32, ticket, M, F, next_pow2(M))
+    args = (x_src, w_src, x, w_up, w_down, y, y32, ticket, M, F, T, next_pow2(M))
     common = dict(
         D=D,
         BLOCK_D=next_pow2(D),
         BLOCK_M=GATE_BLOCK_M,
         M_PAD=next_pow2(M),
+        TILE_N=FUSED_TILE_N,
         BLOCK_K=block_k,
         TMA=tma,
         DOT_FP32=dot_in_fp32(x.dtype),
         PRECISION=dot_precision(x.dtype),
     )
-    if interpreting() or tile_n is not None:
-        n = tile_n or FUSED_TILE_N
-        if tma:
-            _set_desc_blocks({**common, "x_src": x_src, "w_src": w_src, "F": F, "TILE_N": n})
-        dynamic = not interpreting()  # (interpreter: every lane, masked)
-        _fused_decode_kernel[(F // n,)](*args, CH=4, TILE_N=n, DYNAMIC_LOOPS=dynamic, **common)
+    if interpreting():
+        _fused_decode_kernel[(T,)](*args, CH=4, DYNAMIC_LOOPS=False, **common)
     else:
-        _tuned_fused[lambda meta: (F // meta["TILE_N"],)](*args, DYNAMIC_LOOPS=True, **common)
+        _tuned_fused[(T,)](*args, DYNAMIC_LOOPS=True, **common)
     return y

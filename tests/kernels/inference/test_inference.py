@@ -355,29 +355,6 @@ def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisone
     assert _workspace_is_clean(x)  # the last program left ticket and fp32 rows ready for the next call
 
 
-@pytest.mark.parametrize("loads", ["tma", "ptr"])
-@pytest.mark.parametrize("tile_n", decode_fused.FUSED_TILE_NS)
-def test_fused_tile_widths_are_exact(loads, tile_n, poisoned_empty, monkeypatch):
-    """Each units-per-program choice the GPU's tuning picks from (the program count and w_gate's TMA
-    view follow it): every positive reaches y, the workspace is left clean."""
-    if loads == "ptr":
-        monkeypatch.setattr(decode_fused, "tma_ready", lambda *tensors: False)
-    seed = int(torch.randint(0, 2**31, ()).item())
-    x, wg, wu, wd = _hard_inputs(3, 128, 320, torch.bfloat16, seed)
-    make_units_always_active(wg, slice(3, 320, 320 // tile_n))  # program 3's whole slice fires
-    x, wg, wu, wd = (t.to(DEVICE) for t in (x, wg, wu, wd))
-    y = decode_fused.fused_ffn_decode(
-        x, wg, wu, wd, decode_fused.fused_workspace(x.device, 128), tile_n=tile_n
-    )
-    err, _ = _row_errors(y, x, wg, wu, wd)
-    assert err.max() < ROW_TOL[torch.bfloat16], (
-        f"seed {seed}: worst row {int(err.argmax())} {float(err.max()):.3g}"
-    )
-    assert _workspace_is_clean(x)
-    with pytest.raises(ValueError, match="tile_n=48 is not one of"):
-        decode_fused.fused_ffn_decode(x, wg, wu, wd, decode_fused.fused_workspace(x.device, 128), tile_n=48)
-
-
 def test_fused_calls_in_a_row_share_the_workspace():
     """Calls of other widths and batch sizes in between (another program count on the same ticket,
     another d_model's workspace) leave every result exact; the same inputs give the same y up to the

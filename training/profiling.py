@@ -99,7 +99,8 @@ class StepProfiler:
         self._prof = None
         self._t0 = 0.0
         self.summary: dict | None = None
-        self.write_s = 0.0  # seconds spent writing the trace and the table (not training time)
+        # seconds of the profiler's own start, stop, event processing and file writing: not training time
+        self.overhead_s = 0.0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -114,9 +115,11 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self._sync()
+        start = time.perf_counter()
         self._prof = profile(activities=activities)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
+        self.overhead_s = self._t0 - start
 
     def after_step(self, step: int) -> dict | None:
         """The summary once the last profiled step is done (files written), else None."""
@@ -132,12 +135,11 @@ class StepProfiler:
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
         self.summary = summarize(kernels, wall, self.steps)
-        t_write = time.perf_counter()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"{self.prefix}step_{self.at}"
         prof.export_chrome_trace(str(stem) + ".trace.json")
         sort = "cuda_time_total" if kernels else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=80)
         Path(str(stem) + ".txt").write_text(format_summary(self.summary) + "\n\n" + table + "\n")
-        self.write_s = time.perf_counter() - t_write
+        self.overhead_s += time.perf_counter() - self._t0 - wall
         return self.summary

@@ -432,7 +432,7 @@ class Trainer:
                 self.train_step()
                 profile = profiler.after_step(self.step)
                 if profile is not None:
-                    self._window_t0 += profiler.write_s  # writing the trace is not training time
+                    self._window_t0 += profiler.overhead_s  # the profiler's own work is not training time
                     self._say(f"profile of steps {lcfg.profile_at + 1}-{self.step} ({profiler.out_dir}):")
                     self._say(format_summary(profile))
                     records.append(self._log_profile(profile))

@@ -125,6 +125,20 @@ class StepProfiler:
         """The summary once the last profiled step is done (files written), else None."""
         if self._prof is None or step < self.at + self.steps:
             return None
+        return self._finish(self.steps)
+
+    def close(self, step: int) -> dict | None:
+        """At the end of the run: a profile still open (the run stopped, or ended, before its last
+        profiled step) is finished over the steps it holds; the summary, or None."""
+        if self._prof is None:
+            return None
+        if step <= self.at:  # no step was profiled
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+            return None
+        return self._finish(step - self.at)
+
+    def _finish(self, steps: int) -> dict:
         self._sync()
         wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
@@ -134,7 +148,7 @@ class StepProfiler:
             for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
-        self.summary = summarize(kernels, wall, self.steps)
+        self.summary = summarize(kernels, wall, steps)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"{self.prefix}step_{self.at}"
         prof.export_chrome_trace(str(stem) + ".trace.json")

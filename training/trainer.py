@@ -433,9 +433,7 @@ class Trainer:
                 profile = profiler.after_step(self.step)
                 if profile is not None:
                     self._window_t0 += profiler.overhead_s  # the profiler's own work is not training time
-                    self._say(f"profile of steps {lcfg.profile_at + 1}-{self.step} ({profiler.out_dir}):")
-                    self._say(format_summary(profile))
-                    records.append(self._log_profile(profile))
+                    records.append(self._log_profile(profile, profiler.out_dir))
                 if self.step % self.job.logging.log_interval == 0 or self.step == self.total_steps:
                     records.append(self._log_window())
                 due = [e for e in self.evaluators if e.interval and self.step % e.interval == 0]
@@ -451,6 +449,9 @@ class Trainer:
                     break
             if last_saved != self.step and (self.job.checkpoint.save_final or self.stop_requested):
                 self.save_checkpoint()
+            profile = profiler.close(self.step)  # a run that ended inside the profiled steps
+            if profile is not None:
+                records.append(self._log_profile(profile, profiler.out_dir))
         finally:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
@@ -690,8 +691,11 @@ class Trainer:
         self._reset_window()
         return record
 
-    def _log_profile(self, summary: dict) -> dict:
-        """The profiled steps' figures as one record (flat keys, profile/*: one wandb panel group)."""
+    def _log_profile(self, summary: dict, out_dir: Path) -> dict:
+        """The profiled steps' summary on the console and as one record (flat keys, profile/*: one wandb
+        panel group)."""
+        self._say(f"profile of steps {self.step - summary['steps'] + 1}-{self.step} ({out_dir}):")
+        self._say(format_summary(summary))
         record = {"step": self.step, "kind": "profile"}
         for key, value in summary.items():
             if key == "gpu_ms_by_kind":

@@ -85,3 +85,13 @@ def test_a_run_profiles_the_steps_after_profile_at(offline_data, tmp_path):
     profiled = [r for r in logged if r.get("kind") == "profile"]
     assert len(profiled) == 1 and profiled[0]["step"] == 4 and profiled[0]["profile/wall_ms"] > 0
     assert [(r["step"], r["loss"]) for r in train] == [(r["step"], r["loss"]) for r in plain if "loss" in r]
+
+
+def test_a_run_that_ends_inside_the_profiled_steps_still_writes_them(offline_data, tmp_path):
+    """profile_at=3 with 3 steps to profile in a 5-step run: steps 4-5 are profiled and summarised at the
+    end (2 steps), nothing is left open."""
+    run_dir = tmp_path / "short"
+    run_job(tiny_overrides(offline_data, run_dir, 5, "logging.profile_at=3", "logging.profile_steps=3"))
+    assert (run_dir / "profile" / "step_3.txt").read_text().startswith("2 steps profiled")
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["profile/steps"]) for r in logged if r.get("kind") == "profile"] == [(5, 2)]

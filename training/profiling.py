@@ -98,7 +98,6 @@ class StepProfiler:
         self.at, self.steps, self.out_dir, self.device, self.prefix = at, steps, Path(out_dir), device, prefix
         self._prof = None
         self._t0 = 0.0
-        self.summary: dict | None = None
         # seconds of the profiler's own start, stop, event processing and file writing: not training time
         self.overhead_s = 0.0
 
@@ -130,11 +129,7 @@ class StepProfiler:
     def close(self, step: int) -> dict | None:
         """At the end of the run: a profile still open (the run stopped, or ended, before its last
         profiled step) is finished over the steps it holds; the summary, or None."""
-        if self._prof is None:
-            return None
-        if step <= self.at:  # no step was profiled
-            self._prof.__exit__(None, None, None)
-            self._prof = None
+        if self._prof is None:  # (open only after before_step(at), so step > at here)
             return None
         return self._finish(step - self.at)
 
@@ -148,12 +143,12 @@ class StepProfiler:
             for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
-        self.summary = summarize(kernels, wall, steps)
+        summary = summarize(kernels, wall, steps)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"{self.prefix}step_{self.at}"
         prof.export_chrome_trace(str(stem) + ".trace.json")
         sort = "cuda_time_total" if kernels else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=80)
-        Path(str(stem) + ".txt").write_text(format_summary(self.summary) + "\n\n" + table + "\n")
+        Path(str(stem) + ".txt").write_text(format_summary(summary) + "\n\n" + table + "\n")
         self.overhead_s += time.perf_counter() - self._t0 - wall
-        return self.summary
+        return summary

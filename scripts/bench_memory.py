@@ -5,11 +5,12 @@ after the first, side by side with the plan.
 
     python scripts/bench_memory.py --out outputs/bench_memory            # 0.5b and 1.5b, dense and TwELL,
                                                                          # checkpointing off and on (8 runs)
+    python scripts/bench_memory.py --out outputs/bench_memory_compiled --compile    # torch.compile'd blocks
     python scripts/bench_memory.py --out outputs/bench_memory_fsdp --parallel fsdp
     python scripts/bench_memory.py --out /tmp/bench_memory --quick -- data.path=... data.tokenizer=...
 
-Eager steps (train.compile=false): the planner counts what an eager bf16-autocast step saves for its
-backward pass (torch.compile saves less, so the plan is its upper bound). One process, micro-batch 8 x
+Eager steps by default (train.compile=false), --compile for blocks through torch.compile (the default of a
+GPU run): the planner counts what each saves for its backward pass. One process, micro-batch 8 x
 2048 tokens, grad_accum 1, bf16; --parallel fsdp runs FSDP2 over a one-rank mesh (bf16 gathers). The
 TwELL runs start from a model calibrated to the paper's activity (model/calibrate.py: ~29 active units of
 the FFN's per token; a fresh model has half its units active, which no trained sparse model has), so the
@@ -48,7 +49,8 @@ QUICK = ["model.d_model=64", "model.n_heads=2", "model.d_ff=128", "model.max_seq
 def run_overrides(model: str, ffn: str, checkpointing: bool, args, run_dir: Path) -> list[str]:
     tokens = args.micro_batch * args.seq_len
     return [
-        f"model={model}", "data=local", *FFN[ffn], f"train.parallel={args.parallel}", "train.compile=false",
+        f"model={model}", "data=local", *FFN[ffn], f"train.parallel={args.parallel}",
+        f"train.compile={str(args.compile).lower()}",
         f"train.activation_checkpointing={str(checkpointing).lower()}", "train.precision=bf16",
         f"train.micro_batch={args.micro_batch}", f"train.seq_len={args.seq_len}", f"train.global_batch_tokens={tokens}",
         f"train.steps={args.steps}", "optim.warmup_steps=1000", "logging.log_interval=1", "logging.console=false",
@@ -146,7 +148,7 @@ def table(result: dict) -> str:
         )
     lines += [
         "",
-        f"{result['parallel']}, eager bf16, micro-batch {result['micro_batch']} x {result['seq_len']}, "
+        f"{result['parallel']}, {result['blocks']} bf16, micro-batch {result['micro_batch']} x {result['seq_len']}, "
         f"{result['steps']} steps (peaks after the first); commit {result['commit']}, {result['machine']}",
     ]
     return "\n".join(lines) + "\n"
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3, help="steps a run (the first is not measured)")
+    parser.add_argument("--compile", action="store_true", help="blocks through torch.compile (default eager)")
     parser.add_argument("--quick", action="store_true", help="the tiny model on the CPU: the output's shape")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "parallel": "FSDP2 (one rank)" if args.parallel == "fsdp" else "one process",
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
+        "blocks": "compiled" if args.compile else "eager",
         "steps": args.steps,
         "extra": extra,
         "runs": [],

@@ -1,7 +1,8 @@
 """Plan a run's GPU memory before launching it: the expected peak per GPU of one training step, part by
 part, for a dense and a TwELL (sparse) FFN with and without activation checkpointing, the largest
 micro-batch that fits each, and what train.activation_checkpointing=auto will choose. The same model the
-trainer uses at start (training/memory.py: an eager bf16 upper bound; torch.compile saves less).
+trainer uses at start (training/memory.py), for blocks compiled or eager as train.compile has them on a GPU
+(auto: compiled, unless train.cuda_graph=true; `train.compile=false` plans an eager run, which saves more).
 
     python scripts/plan_memory.py experiment=paper_1.5b
     python scripts/plan_memory.py model=1.5b train.micro_batch=16 --gpu-gib 80 --world-size 8 --parallel fsdp
@@ -96,6 +97,7 @@ def plan(job, gpu_gib: float, world_size: int, parallel: str) -> dict:
         "budget_gib": budget / GIB,
         "rows": rows,
         "ffn_impl": mcfg.ffn_impl,
+        "compiled": settings["compiled"],
         "auto_activation_checkpointing": auto,
     }
 
@@ -103,7 +105,8 @@ def plan(job, gpu_gib: float, world_size: int, parallel: str) -> dict:
 def table(result: dict) -> str:
     head = (
         f"{result['model']} ({result['params'] / 1e9:.2f}B parameters), micro-batch {result['micro_batch']} x "
-        f"{result['seq_len']}, {result['world_size']} GPU(s), {result['parallel']}; {result['gpu_gib']:.1f} GiB "
+        f"{result['seq_len']}, {'compiled' if result['compiled'] else 'eager'} blocks, {result['world_size']} "
+        f"GPU(s), {result['parallel']}; {result['gpu_gib']:.1f} GiB "
         f"per GPU, {result['budget_gib']:.1f} GiB usable ({FIT_FRACTION:.0%})"
     )
     lines = [
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=1, help="data-parallel processes (default 1)")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), help="default: the config's train.parallel")
     p.add_argument("--json", help="also write the plan to this file")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after the options
     if args.world_size < 1:
         p.error(f"--world-size={args.world_size} must be >= 1")
     job = compose_job(args.overrides)

@@ -14,8 +14,8 @@ Per GPU, in bytes:
   and the blocks' in bf16 (fp32 without bf16): the block being computed and the ones prefetched
   (train.fsdp_prefetch, at least FSDP2's own one) at the peak, or every block when
   train.fsdp_reshard_after_forward=false keeps them from the forward to the backward;
-- activations saved for the backward pass, per token and layer, in an eager bf16-autocast step
-  (counted from the model's code in model/layers.py and model/ffn.py):
+- activations saved for the backward pass, per token and layer (block_bytes_besides_sparse_state), in an
+  eager bf16-autocast step (counted from the model's code in model/layers.py and model/ffn.py):
     RMSNorm x2        fp32 input and normalised output: 8 d each
     q, k, v linears   their bf16 input casts: 3 x 2 d
     attention         q, k, v, out in bf16 (2 (2 d_q + 2 d_kv)), the fp32 log-sum-exp per head
@@ -41,8 +41,14 @@ gone by then). Measured against eager steps on an H200 (bench_memory.py, 0.5b an
 TwELL, checkpointing on and off; docs/results/memory/) the sum was 3-26% over the reserved peak, the
 larger of the two moments is within -7%..+2% (TwELL with checkpointing was measured before its blocks
 kept their FFN state: not re-measured since).
-torch.compile fuses the element-wise ops and saves less: the estimate is then an upper bound
-(scripts/bench_memory.py measures eager steps against it).
+Blocks through torch.compile (the default on a GPU) save less: inductor's partitioner recomputes the
+norms' outputs and the casts in the backward pass instead of keeping them, and one bf16 normalised input
+serves q, k and v; the saved set was measured on the CPU (tests/training/test_memory.py fails if a torch
+release changes it), ~0.66x an eager dense block and ~0.55x an eager TwELL one besides its state at 1.5b.
+With it the estimate is within -1.6%..+2.4% of the allocated peaks of compiled steps on an H200 (0.5b and
+1.5b, dense and TwELL, no checkpointing), where the eager model overshot by 13-27% and made `auto`
+checkpoint runs that fit (paper_1.5b on an 80 GiB GPU). scripts/bench_memory.py measures either
+(--compile) against the plan.
 """
 
 from __future__ import annotations
@@ -116,19 +122,31 @@ def sparse_ffn_state_bytes(cfg, tokens: int) -> tuple[int, int]:
     return per_token, 3 * 2 * k * cfg.d_model
 
 
-def block_activation_bytes_per_token(cfg, sparse_ffn: bool, tokens: int) -> int:
-    """Bytes one block saves for its backward pass, per token of a micro-batch of `tokens` (eager, bf16
-    autocast)."""
+def block_bytes_besides_sparse_state(cfg, sparse_ffn: bool, compiled: bool = False) -> int:
+    """Bytes one block saves for its backward pass per token (bf16 autocast), all but the TwELL op's sparse
+    state (sparse_ffn_state_bytes). Eager: counted from the model's code (the module doc). Compiled:
+    inductor keeps less (measured on the CPU, tests/training/test_memory.py): the fp32 block input and each
+    norm's fp32 1/rms, one bf16 normalised input for q, k and v, q/k/v/out and the log-sum-exp, the o
+    projection's bf16 input; with a dense FFN its bf16 input and g, u, h (the residual sum between the two
+    halves is recomputed), with a TwELL FFN the fp32 residual sum instead (the FFN's bf16 input is
+    recomputed from it)."""
     d, f = cfg.d_model, cfg.d_ff
     d_q, d_kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    norms = 2 * 8 * d
-    attention = 3 * 2 * d + 2 * (2 * d_q + 2 * d_kv) + 4 * cfg.n_heads + 2 * d_q
-    if sparse_ffn:
-        per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens)
-        ffn = 2 * d + per_token + per_layer // tokens
+    attention = 2 * (2 * d_q + 2 * d_kv) + 4 * cfg.n_heads + 2 * d_q  # q, k, v, out, lse; o's input
+    if not compiled:
+        norms, attention, ffn_input = 2 * 8 * d, attention + 3 * 2 * d, (2 if sparse_ffn else 2 * 2) * d
+    elif sparse_ffn:
+        norms, attention, ffn_input = 2 * 4 * d + 2 * 4, attention + 2 * d, 0
     else:
-        ffn = 2 * 2 * d + 3 * 2 * f
-    return norms + attention + ffn
+        norms, attention, ffn_input = 4 * d + 2 * 4, attention + 2 * d, 2 * d
+    return norms + attention + ffn_input + (0 if sparse_ffn else 3 * 2 * f)
+
+
+def block_activation_bytes_per_token(cfg, sparse_ffn: bool, tokens: int, compiled: bool = False) -> int:
+    """Bytes one block saves for its backward pass, per token of a micro-batch of `tokens` (bf16
+    autocast; eager, or compiled with torch.compile)."""
+    per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens) if sparse_ffn else (0, 0)
+    return block_bytes_besides_sparse_state(cfg, sparse_ffn, compiled) + per_token + per_layer // tokens
 
 
 def root_params(cfg) -> int:
@@ -149,11 +167,13 @@ def estimate_training_memory(
     cfg, micro_batch: int, seq_len: int, *, activation_checkpointing: bool, sparse_ffn: bool,
     world_size: int = 1, sharded: bool = False, bf16: bool = True, grad_accum: int = 1,
     reshard_after_forward: str = "auto", prefetch: int = 1, keep_ffn_state: bool = False,
+    compiled: bool = False,
 ) -> MemoryEstimate:  # fmt: skip
     """The peak of one training step on one GPU; `cfg` a ModelConfig; `sharded`: FSDP2 over world_size
     processes (one included), else one process or DDP; bf16: bf16 autocast / FSDP2's bf16 gathers;
     grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only);
-    keep_ffn_state: checkpointed sparse blocks keep their FFN's output and state (compiled blocks do)."""
+    keep_ffn_state: checkpointed sparse blocks keep their FFN's output and state (compiled blocks do);
+    compiled: the blocks go through torch.compile (what they save: block_activation_bytes_per_token)."""
     n_params = cfg.num_params()
     shard = world_size if sharded else 1
     state = 4 * n_params // shard
@@ -174,7 +194,7 @@ def estimate_training_memory(
     else:
         compute_weights = 2 * n_params if bf16 else 0
     tokens = micro_batch * seq_len
-    per_block = block_activation_bytes_per_token(cfg, sparse_ffn, tokens) * tokens
+    per_block = block_activation_bytes_per_token(cfg, sparse_ffn, tokens, compiled) * tokens
     if activation_checkpointing:
         kept = 4 * cfg.d_model * tokens  # the block's fp32 input
         if sparse_ffn and keep_ffn_state:  # and its FFN's output and sparse state (selective checkpointing)
@@ -201,7 +221,7 @@ def job_settings(job, world_size: int, sharded: bool) -> dict:
         sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
-        keep_ffn_state=tcfg.compiles() and compiled_selective_checkpointing(),
+        keep_ffn_state=tcfg.compiles() and compiled_selective_checkpointing(), compiled=tcfg.compiles(),
     )  # fmt: skip
 
 

@@ -146,9 +146,10 @@ def resolve_block_wrappers(
         log.warning("the step may not fit without activation checkpointing, which a CUDA graph cannot hold")
         checkpoint = False
     log.info(
-        "memory estimate per GPU: %s without activation checkpointing, %s with; the device has %.1f GiB: "
-        "activation checkpointing %s (train.activation_checkpointing=auto)",
-        without.describe(), with_ac.describe(), device_bytes / GIB, "on" if checkpoint else "off",
+        "memory estimate per GPU (%s blocks): %s without activation checkpointing, %s with; the device has "
+        "%.1f GiB: activation checkpointing %s (train.activation_checkpointing=auto)",
+        "compiled" if compile_blocks else "eager", without.describe(), with_ac.describe(), device_bytes / GIB,
+        "on" if checkpoint else "off",
     )  # fmt: skip
     return checkpoint, compile_blocks
 

@@ -27,9 +27,10 @@ Per GPU, in bytes:
                       (29 units a token, counted as if none were hot) and the row offsets; per layer
                       the hot units' gathered weight rows (3 x 2 K d)
   with activation checkpointing only each block's fp32 input (4 d) stays, plus one block's own
-  activations while it is recomputed; a compiled TwELL block also keeps its FFN's output (2 d) and
-  sparse state, which the recomputation takes instead of running the FFN again (selective
-  checkpointing, kernels.training.train.checkpoint_context, torch >= 2.12.1; `keep_ffn_state`);
+  activations while it is recomputed; a compiled TwELL block also keeps its FFN's sparse state, which
+  the recomputation takes instead of running the FFN again (selective checkpointing,
+  kernels.training.train.checkpoint_context, torch >= 2.12.1; `keep_ffn_state`; the op's output is
+  not kept, the backward pass needs none of it: measured on the CPU, tests/training/test_memory.py);
 - the logits and the loss: bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient
   (2 + 4 + 4 + 4 bytes a vocabulary entry and token);
 - a fixed reserve for the CUDA context, cuBLAS workspaces and the allocator's fragmentation.
@@ -44,8 +45,8 @@ kept their FFN state: not re-measured since).
 Blocks through torch.compile (the default on a GPU) save less: inductor's partitioner recomputes the
 norms' outputs and the casts in the backward pass instead of keeping them, and one bf16 normalised input
 serves q, k and v; the saved set was measured on the CPU (tests/training/test_memory.py fails if a torch
-release changes it), ~0.66x an eager dense block and ~0.55x an eager TwELL one besides its state at 1.5b.
-With it the estimate is within -1.6%..+2.4% of the allocated peaks of compiled steps on an H200 (0.5b and
+release changes it), ~0.66x an eager dense block and ~0.53x an eager TwELL one besides its state at 1.5b.
+With it the estimate is within -3.7%..-0.6% of the allocated peaks of compiled steps on an H200 (0.5b and
 1.5b, dense and TwELL, no checkpointing), where the eager model overshot by 13-27% and made `auto`
 checkpoint runs that fit (paper_1.5b on an 80 GiB GPU). scripts/bench_memory.py measures either
 (--compile) against the plan.
@@ -124,21 +125,18 @@ def sparse_ffn_state_bytes(cfg, tokens: int) -> tuple[int, int]:
 
 def block_bytes_besides_sparse_state(cfg, sparse_ffn: bool, compiled: bool = False) -> int:
     """Bytes one block saves for its backward pass per token (bf16 autocast), all but the TwELL op's sparse
-    state (sparse_ffn_state_bytes). Eager: counted from the model's code (the module doc). Compiled:
-    inductor keeps less (measured on the CPU, tests/training/test_memory.py): the fp32 block input and each
-    norm's fp32 1/rms, one bf16 normalised input for q, k and v, q/k/v/out and the log-sum-exp, the o
-    projection's bf16 input; with a dense FFN its bf16 input and g, u, h (the residual sum between the two
-    halves is recomputed), with a TwELL FFN the fp32 residual sum instead (the FFN's bf16 input is
-    recomputed from it)."""
+    state (sparse_ffn_state_bytes). Eager: counted from the model's code (the module doc). Compiled as the
+    trainer compiles (one graph a block, the TwELL op inside it), inductor keeps less (measured on the CPU,
+    tests/training/test_memory.py): the fp32 block input and each norm's fp32 1/rms (the normalised rows
+    and the residual sum between the two halves are recomputed), one bf16 normalised input for q, k and v,
+    q/k/v/out and the log-sum-exp, the o projection's and the FFN's bf16 inputs, a dense FFN's g, u, h."""
     d, f = cfg.d_model, cfg.d_ff
     d_q, d_kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     attention = 2 * (2 * d_q + 2 * d_kv) + 4 * cfg.n_heads + 2 * d_q  # q, k, v, out, lse; o's input
-    if not compiled:
-        norms, attention, ffn_input = 2 * 8 * d, attention + 3 * 2 * d, (2 if sparse_ffn else 2 * 2) * d
-    elif sparse_ffn:
-        norms, attention, ffn_input = 2 * 4 * d + 2 * 4, attention + 2 * d, 0
-    else:
+    if compiled:
         norms, attention, ffn_input = 4 * d + 2 * 4, attention + 2 * d, 2 * d
+    else:
+        norms, attention, ffn_input = 2 * 8 * d, attention + 3 * 2 * d, (2 if sparse_ffn else 2 * 2) * d
     return norms + attention + ffn_input + (0 if sparse_ffn else 3 * 2 * f)
 
 
@@ -172,7 +170,7 @@ def estimate_training_memory(
     """The peak of one training step on one GPU; `cfg` a ModelConfig; `sharded`: FSDP2 over world_size
     processes (one included), else one process or DDP; bf16: bf16 autocast / FSDP2's bf16 gathers;
     grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only);
-    keep_ffn_state: checkpointed sparse blocks keep their FFN's output and state (compiled blocks do);
+    keep_ffn_state: checkpointed sparse blocks keep their FFN's sparse state (compiled blocks do);
     compiled: the blocks go through torch.compile (what they save: block_activation_bytes_per_token)."""
     n_params = cfg.num_params()
     shard = world_size if sharded else 1
@@ -197,9 +195,9 @@ def estimate_training_memory(
     per_block = block_activation_bytes_per_token(cfg, sparse_ffn, tokens, compiled) * tokens
     if activation_checkpointing:
         kept = 4 * cfg.d_model * tokens  # the block's fp32 input
-        if sparse_ffn and keep_ffn_state:  # and its FFN's output and sparse state (selective checkpointing)
+        if sparse_ffn and keep_ffn_state:  # and its FFN's sparse state (selective checkpointing)
             per_token, per_layer = sparse_ffn_state_bytes(cfg, tokens)
-            kept += (2 * cfg.d_model + per_token) * tokens + per_layer
+            kept += per_token * tokens + per_layer  # (not the op's output y: the backward needs none)
         activations, recompute = cfg.n_layers * kept, per_block
     else:
         activations, recompute = cfg.n_layers * per_block, 0

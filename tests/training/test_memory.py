@@ -118,22 +118,29 @@ def _saved_bytes_per_token(block, cfg, batch: int, seq: int) -> float:
     return sum(saved.values()) / (batch * seq)
 
 
-@pytest.mark.parametrize("ffn", ["dense", "twell"])
-def test_compiled_block_saves_what_the_planner_counts(ffn):
+@pytest.mark.parametrize("ffn, checkpointing", [("dense", False), ("twell", False), ("twell", True)])
+def test_compiled_block_saves_what_the_planner_counts(ffn, checkpointing):
     """The planner's compiled rows are what inductor's partitioner keeps for a Block (memory.py,
     block_bytes_besides_sparse_state), measured on the CPU with the TwELL kernels interpreted; the same
     model matches the H200's compiled peaks (test_compiled_rows_fit_the_measured_h200_peaks). A torch whose
-    partitioner saves otherwise fails here: refit the planner."""
+    partitioner saves otherwise fails here: refit the planner. Checkpointed as the trainer wraps it (a
+    TwELL block selectively, torch >= 2.12.1), a compiled block keeps its fp32 input (4 d) besides the
+    op's sparse state, not the op's output (estimate_training_memory's checkpointed rows)."""
     from twell.model.transformer import Block
     from twell.training.memory import block_bytes_besides_sparse_state
+    from twell.training.trainer import apply_block_wrappers
 
     cfg = ModelConfig(d_model=128, n_heads=2, d_ff=192, n_layers=1, max_seq_len=64, ffn_impl=ffn)
     batch, seq = 2, 24  # 48 tokens: no dimension of a weight, nor the entry count
     torch.manual_seed(0)
-    block = Block(cfg)
-    block.compile()
-    measured = _saved_bytes_per_token(block, cfg, batch, seq)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(cfg)])
+    apply_block_wrappers(model, activation_checkpointing=checkpointing, compile_blocks=True)
+    measured = _saved_bytes_per_token(model.layers[0], cfg, batch, seq)
     sparse = ffn == "twell"
+    if checkpointing:
+        assert measured == 4 * cfg.d_model
+        return
     assert measured == block_bytes_besides_sparse_state(cfg, sparse, compiled=True)
     assert measured < 0.8 * block_bytes_besides_sparse_state(cfg, sparse)  # eager saves more
 
@@ -256,7 +263,7 @@ def test_plan_memory_refuses_bad_values(capsys):
 def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
     """The TwELL state is the hot units' gate and up values (from 16,384 tokens a micro-batch, as the
     kernels choose them) plus the active entries; a checkpointed compiled TwELL block keeps its FFN's
-    output and state (selective checkpointing), an eager one nothing but its input."""
+    sparse state (selective checkpointing), an eager one nothing but its input."""
     from twell.kernels.inference import inference
     from twell.training import memory
 
@@ -273,5 +280,5 @@ def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
     for sparse in (False, True):
         for keep in (False, True):
             full = estimate(activation_checkpointing=True, sparse_ffn=sparse, keep_ffn_state=keep)
-            kept = 4 * 2048 * tokens + ((2 * 2048 + per_token) * tokens + per_layer if sparse and keep else 0)
+            kept = 4 * 2048 * tokens + (per_token * tokens + per_layer if sparse and keep else 0)
             assert full.activations == layers * kept

@@ -43,3 +43,24 @@ def test_quick_bench_writes_the_plan_against_measured_table(offline_data, tmp_pa
     with pytest.raises(SystemExit):
         bench_memory.main(["--out", str(out), "--steps", "1"])
     assert "--steps=1 must be >= 2" in capsys.readouterr().err
+
+
+def test_compile_flag_runs_compiled_steps_against_the_compiled_plan():
+    """--compile: the runs take train.compile=true and their plan is the compiled one (less saved than
+    eager), for both FFNs."""
+    import argparse
+
+    import bench_memory
+
+    args = argparse.Namespace(
+        micro_batch=8, seq_len=2048, parallel="ddp", steps=3, quick=False, extra=[], compile=True
+    )
+    for ffn in ("dense", "twell"):
+        overrides = bench_memory.run_overrides("1.5b", ffn, False, args, "/tmp/unused")
+        assert "train.compile=true" in overrides
+        job = compose_job(overrides)
+        plan = bench_memory.planned(job, False)
+        kw = dict(activation_checkpointing=False, sparse_ffn=ffn == "twell")
+        compiled = estimate_training_memory(job.model, 8, 2048, compiled=True, **kw)
+        assert plan["total_gib"] == pytest.approx(compiled.total / GIB)
+        assert plan["total_gib"] < estimate_training_memory(job.model, 8, 2048, **kw).total / GIB

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything we check and time on a GPU node, in one call (our H200 lease is short):
-#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines model fidelity sweep gputests decode profile hot dist
+#   bash scripts/gpu_suite.sh kernels baselines      # stages: kernels baselines model fidelity sweep gputests decode profile hot memory dist
 # Results (tables, JSON, logs) go to $OUT (default outputs/gpu). On an offline node the missing
 # pure-Python packages travel as wheels in .whl/ (../shared/device/wheels.sh fills it).
 set -uo pipefail
@@ -132,6 +132,13 @@ stage_profile() {
 stage_hot() {
   python3 scripts/bench_ffn.py --tokens 4096 8192 16384 32768 65536 131072 --hot-units 0 512 1024 --rep 25 \
     --out "$OUT/bench_hot.json" 2>&1 | tee "$OUT/bench_hot.txt"
+}
+
+# The memory planner (training/memory.py) against the peaks of real trainer steps: 0.5b and 1.5b, dense
+# and TwELL, activation checkpointing off and on, eager and compiled blocks (16 short runs).
+stage_memory() {
+  python3 scripts/bench_memory.py --out "$OUT/memory_eager" 2>&1 | tee "$OUT/memory_eager.txt"
+  python3 scripts/bench_memory.py --out "$OUT/memory_compiled" --compile 2>&1 | tee "$OUT/memory_compiled.txt"
 }
 
 # Data parallelism on 2+ GPUs (NCCL): the fidelity model for a few steps under DDP and FSDP2 (same

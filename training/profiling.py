@@ -8,16 +8,36 @@ The summary splits the GPU's busy time by kind of kernel (GEMMs, attention, TwEL
 Inductor's fused kernels, optimizer, communication, other) and names the idle time: wall time per step
 minus the time some kernel was running. Idle time is the host's share (launch overhead, host syncs,
 data): a step whose GPU is busy 98% of its wall time is bound by its kernels, one busy 70% by the host.
-The same figures go to the run's JSONL / wandb as one record (kind "profile").
+The idle time is also split by what the host was doing meanwhile: the trainer marks its phases (data,
+forward, backward, settle: the TwELL entry counts' one host sync, optimizer, sparsity: statistics,
+re-initialisation and routing) with record_function ranges named "twell/<phase>", and each gap between
+kernels is charged to the phase the host was in (a forward that idles the GPU is host-bound there; idle
+time in "settle" is the GPU draining before the sync returns, then the host's restart). The same figures
+go to the run's JSONL / wandb as one record (kind "profile").
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
 
 import torch
+
+# The trainer's phases, as record_function ranges "twell/<phase>" (phase()).
+PHASES = ("data", "forward", "backward", "settle", "optimizer", "sparsity")
+PHASE_PREFIX = "twell/"
+
+
+def phase(name: str):
+    """A range of the step for the profile's idle-time split (a no-op unless a profiler records)."""
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
+    if not getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # (cheaper than an empty range)
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(PHASE_PREFIX + name)
+
 
 # Kernel name -> kind, first match wins. Inductor names its generated Triton kernels triton_*; the
 # TwELL kernels (kernels/) are Triton kernels named _*_kernel.
@@ -54,15 +74,58 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(kernels: list[tuple[str, float, float]], wall_s: float, steps: int) -> dict:
-    """kernels: (name, start us, end us) of every GPU kernel of `steps` steps that took wall_s seconds.
-    Returns per-step figures: wall, GPU busy, idle, the busy share, and GPU time (ms) by kind."""
+def _union(intervals) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, stop in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [(a, b) for a, b in merged]
+
+
+def uncovered_us(ranges, covered) -> float:
+    """Length of the union of `ranges` minus the union of `covered` (us): the time inside the ranges
+    that no covered interval (a kernel) spans."""
+    total = 0.0
+    cover = _union(covered)
+    i = 0
+    for start, stop in _union(ranges):
+        while i < len(cover) and cover[i][1] <= start:
+            i += 1
+        cursor, j = start, i
+        while j < len(cover) and cover[j][0] < stop:
+            if cover[j][0] > cursor:
+                total += cover[j][0] - cursor
+            cursor = max(cursor, cover[j][1])
+            j += 1
+        if cursor < stop:
+            total += stop - cursor
+    return total
+
+
+def summarize(
+    kernels: list[tuple[str, float, float]], wall_s: float, steps: int, phases=()
+) -> dict:  # fmt: skip
+    """kernels: (name, start us, end us) of every GPU kernel of `steps` steps that took wall_s seconds;
+    phases: (phase, start us, end us) of the host's phase ranges on the same clock. Returns per-step
+    figures: wall, GPU busy, idle, the busy share, GPU time (ms) by kind and GPU idle time (ms) by the
+    host's phase (nested ranges charged to the inner phase; idle outside every phase is not listed)."""
     per_step = 1e3 / steps
     by_kind = dict.fromkeys(KINDS, 0.0)
     for name, start, end in kernels:
         by_kind[kernel_kind(name)] += end - start
-    busy = busy_us([(s, e) for _, s, e in kernels])
+    spans = [(s, e) for _, s, e in kernels]
+    busy = busy_us(spans)
     wall_ms = wall_s * per_step
+    idle_by_phase = {}
+    if kernels:
+        # An inner phase (a settle inside the forward/backward loop's block) takes its time from the outer.
+        claimed: list[tuple[float, float]] = []
+        for name, start, end in sorted(phases, key=lambda p: p[2] - p[1]):
+            idle = uncovered_us([(start, end)], spans + claimed)
+            idle_by_phase[name] = idle_by_phase.get(name, 0.0) + idle
+            claimed.append((start, end))
     return {
         "steps": steps,
         "wall_ms": wall_ms,
@@ -71,6 +134,7 @@ def summarize(kernels: list[tuple[str, float, float]], wall_s: float, steps: int
         "gpu_busy_share": busy / 1e3 / steps / wall_ms if wall_ms > 0 else 0.0,
         "kernels": len(kernels) / steps,
         "gpu_ms_by_kind": {kind: us / 1e3 / steps for kind, us in by_kind.items() if us},
+        "gpu_idle_ms_by_phase": {p: idle_by_phase[p] / 1e3 / steps for p in PHASES if p in idle_by_phase},
     }
 
 
@@ -85,6 +149,13 @@ def format_summary(summary: dict) -> str:
     ]
     for kind, ms in sorted(summary["gpu_ms_by_kind"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:<14} {ms:9.2f}")
+    idle = summary.get("gpu_idle_ms_by_phase") or {}
+    if idle:
+        lines.append("GPU idle by what the host was doing (ms/step):")
+        for name, ms in idle.items():
+            lines.append(f"  {name:<14} {ms:9.2f}")
+        rest = summary["gpu_idle_ms"] - sum(idle.values())
+        lines.append(f"  {'(no phase)':<14} {max(rest, 0.0):9.2f}")
     return "\n".join(lines)
 
 
@@ -138,12 +209,18 @@ class StepProfiler:
         wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
+        events = prof.events()
         kernels = [
             (e.name, e.time_range.start, e.time_range.end)
-            for e in prof.events()
+            for e in events
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
-        summary = summarize(kernels, wall, steps)
+        phases = [
+            (e.name[len(PHASE_PREFIX) :], e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(PHASE_PREFIX)
+        ]
+        summary = summarize(kernels, wall, steps, phases)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"{self.prefix}step_{self.at}"
         prof.export_chrome_trace(str(stem) + ".trace.json")

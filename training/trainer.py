@@ -50,7 +50,7 @@ from twell.training.loggers import RunLogger
 from twell.training.memory import GIB, choose_activation_checkpointing, job_settings
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
 from twell.training.optim import build_optimizer, set_lr
-from twell.training.profiling import StepProfiler, format_summary
+from twell.training.profiling import StepProfiler, format_summary, phase
 from twell.training.routing import choose_threshold
 from twell.training.sparsity import ActivityTracker, l1_coef_at, reinit_dead_gate_rows
 
@@ -546,14 +546,22 @@ class Trainer:
             replayed = self._micro_steps(batches, l1_coef)
         for ce, l1, stats in replayed:
             self._add_micro(ce, l1, stats)
-        # max_norm=inf measures without clipping when clipping is off.
-        clip = self.job.train.grad_clip or float("inf")
-        grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
-        self.optimizer.step()
-        # Under CUDA graphs the gradients are the graph's static tensors: zeroed in place, kept.
-        self.optimizer.zero_grad(set_to_none=self.graphed is None)
+        with phase("optimizer"):
+            # max_norm=inf measures without clipping when clipping is off.
+            clip = self.job.train.grad_clip or float("inf")
+            grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
+            self.optimizer.step()
+            # Under CUDA graphs the gradients are the graph's static tensors: zeroed in place, kept.
+            self.optimizer.zero_grad(set_to_none=self.graphed is None)
         self.step += 1
+        with phase("sparsity"):
+            self._end_step_sparsity()
+        self._grad_norm_sum += grad_norm.detach()
+        self._window_steps += 1
+        self._lr, self._l1_coef = lr, l1_coef
 
+    def _end_step_sparsity(self) -> None:
+        """After the optimizer step: the activity window, dead units' re-initialisation, FFN routing."""
         dead = self.tracker.end_step(self.info.world_size)
         scfg = self.job.sparsity
         if scfg.reinit_dead and self.step % scfg.reinit_period == 0:
@@ -569,10 +577,6 @@ class Trainer:
         if self.job.model.ffn_impl == "auto" and self.step % self.job.model.twell_check_interval == 0:
             self.model.update_ffn_routing(self.tracker.route_mean(), self.twell_threshold)
 
-        self._grad_norm_sum += grad_norm.detach()
-        self._window_steps += 1
-        self._lr, self._l1_coef = lr, l1_coef
-
     def _micro_steps(self, batches, l1_coef) -> list:
         """Forward and backward of the step's micro-batches (gradients accumulate in .grad); returns
         (ce, l1, stats) of each. With sparse FFNs and train.twell_sizes=deferred, no TwELL layer waits
@@ -587,24 +591,31 @@ class Trainer:
         reduce = (lambda flag: all_reduce_(flag, op=dist.ReduceOp.MAX)) if self.info.enabled else None
         with self._kt.deferred_sizes() as sizes:
             results = self._run_micro_batches((kept.append(b) or b for b in batches), l1_coef)
-            if not sizes.settle(reduce=reduce, device=self.device):
+            if not self._settle(sizes, reduce):
                 return results
             self.twell_redos += 1
             self.optimizer.zero_grad(set_to_none=True)
             results = self._run_micro_batches(kept, l1_coef)
-            if not sizes.settle(reduce=reduce, device=self.device):
+            if not self._settle(sizes, reduce):
                 return results
         # Missed again (counts that differ between two passes over the same batches): sized exactly.
         self.optimizer.zero_grad(set_to_none=True)
         return self._run_micro_batches(kept, l1_coef)
+
+    def _settle(self, sizes, reduce) -> bool:
+        """The deferred entry counts' check (the step's one host sync): whether a layer missed."""
+        with phase("settle"):
+            return sizes.settle(reduce=reduce, device=self.device)
 
     def _run_micro_batches(self, batches, l1_coef) -> list:
         results = []
         with self._on_graph_stream():
             for micro, (input_ids, labels) in enumerate(batches):
                 with self._grad_sync(micro == self.grad_accum - 1):
-                    loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
-                    (loss / self.grad_accum).backward()
+                    with phase("forward"):
+                        loss, ce, out = self._micro_loss(input_ids, labels, l1_coef)
+                    with phase("backward"):
+                        (loss / self.grad_accum).backward()
                 results.append((ce.detach(), out.l1.detach(), out.stats))
         return results
 
@@ -640,14 +651,15 @@ class Trainer:
         return "DDP" if self.info.enabled else "one process"
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        waited = time.perf_counter()
-        batch = next(self.train_stream)
-        self._data_wait_s += time.perf_counter() - waited
-        input_ids, labels = batch["input_ids"], batch["labels"]
-        if self.device.type == "cuda":
-            # Pinned host memory makes the copy asynchronous: the CPU moves on to queue the step.
-            input_ids, labels = input_ids.pin_memory(), labels.pin_memory()
-        return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        with phase("data"):
+            waited = time.perf_counter()
+            batch = next(self.train_stream)
+            self._data_wait_s += time.perf_counter() - waited
+            input_ids, labels = batch["input_ids"], batch["labels"]
+            if self.device.type == "cuda":
+                # Pinned host memory makes the copy asynchronous: the CPU moves on to queue the step.
+                input_ids, labels = input_ids.pin_memory(), labels.pin_memory()
+            return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ metrics
     def _reset_window(self) -> None:
@@ -701,6 +713,8 @@ class Trainer:
         for key, value in summary.items():
             if key == "gpu_ms_by_kind":
                 record.update({f"profile/gpu_ms/{kind}": ms for kind, ms in value.items()})
+            elif key == "gpu_idle_ms_by_phase":
+                record.update({f"profile/gpu_idle_ms/{name}": ms for name, ms in value.items()})
             else:
                 record[f"profile/{key}"] = value
         self.logger.log(record)

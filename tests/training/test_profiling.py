@@ -6,7 +6,7 @@ import pytest
 from trainer_helpers import run_job, tiny_overrides
 
 from twell.training.config import LoggingConfig
-from twell.training.profiling import busy_us, format_summary, kernel_kind, summarize
+from twell.training.profiling import busy_us, format_summary, kernel_kind, phase, summarize, uncovered_us
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,37 @@ def test_summary_per_step_and_by_kind():
     assert "GPU busy 0.60 ms (30.0%), idle 1.40 ms" in text and "twell" in text
 
 
+def test_uncovered_time_is_the_ranges_minus_the_kernels():
+    assert uncovered_us([(0, 100)], [(10, 20), (15, 30), (90, 120)]) == pytest.approx(70.0)
+    assert uncovered_us([(0, 10), (5, 20)], []) == pytest.approx(20.0)
+    assert uncovered_us([(0, 10)], [(-5, 50)]) == 0.0
+
+
+def test_idle_time_is_charged_to_the_hosts_phase():
+    """A gap between kernels counts for the phase the host was in; an inner phase (settle inside the
+    backward's range) takes its share from the outer one; idle outside every phase is left unnamed."""
+    kernels = [
+        ("nvjet_gemm", 0.0, 600.0),
+        ("_row_fwd_kernel", 600.0, 900.0),
+        ("_row_dx_kernel", 2000.0, 2300.0),
+    ]
+    phases = [
+        ("forward", 0.0, 1500.0), ("backward", 1500.0, 2500.0), ("settle", 1600.0, 1700.0),
+        ("optimizer", 2500.0, 3500.0),
+    ]  # fmt: skip
+    s = summarize(kernels, wall_s=4e-3, steps=1, phases=phases)
+    assert s["gpu_idle_ms_by_phase"] == {
+        "forward": pytest.approx(0.6), "backward": pytest.approx(0.6), "settle": pytest.approx(0.1),
+        "optimizer": pytest.approx(1.0),
+    }  # fmt: skip
+    assert list(s["gpu_idle_ms_by_phase"]) == ["forward", "backward", "settle", "optimizer"]  # PHASES order
+    text = format_summary(s)
+    assert "GPU idle by what the host was doing" in text and "(no phase)" in text
+    assert text.splitlines()[-1].split() == ["(no", "phase)", "0.50"]  # 2.8 ms idle, 2.3 in phases
+    with pytest.raises(ValueError, match="unknown phase 'bogus'"):
+        phase("bogus")
+
+
 def test_profile_settings_are_checked():
     with pytest.raises(ValueError, match="logging.profile_steps=0"):
         LoggingConfig(profile_steps=0)
@@ -78,7 +109,8 @@ def test_a_run_profiles_the_steps_after_profile_at(offline_data, tmp_path):
         )
     )
     trace = json.loads((run_dir / "profile" / "step_2.trace.json").read_text())
-    assert trace["traceEvents"]
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {f"twell/{p}" for p in ("data", "forward", "backward", "optimizer", "sparsity")} <= names
     summary = (run_dir / "profile" / "step_2.txt").read_text()
     assert summary.startswith("2 steps profiled: wall") and "Self CPU" in summary
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -95,3 +127,25 @@ def test_a_run_that_ends_inside_the_profiled_steps_still_writes_them(offline_dat
     assert (run_dir / "profile" / "step_3.txt").read_text().startswith("2 steps profiled")
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["profile/steps"]) for r in logged if r.get("kind") == "profile"] == [(5, 2)]
+
+
+def test_the_profile_record_flattens_kinds_and_phases(tmp_path):
+    """One JSONL / wandb record: profile/gpu_ms/<kind> and profile/gpu_idle_ms/<phase>, beside the scalars."""
+    from types import SimpleNamespace
+
+    from twell.training.trainer import Trainer
+
+    kernels = [("nvjet_gemm", 0.0, 600.0), ("_row_fwd_kernel", 1000.0, 1300.0)]
+    summary = summarize(kernels, wall_s=2e-3, steps=1, phases=[("forward", 0.0, 2000.0)])
+    logged, said = [], []
+    trainer = SimpleNamespace(step=7, _say=said.append, logger=SimpleNamespace(log=logged.append))
+    record = Trainer._log_profile(trainer, summary, tmp_path)
+    assert logged == [record] and record["step"] == 7 and record["kind"] == "profile"
+    assert record["profile/gpu_ms/gemm"] == pytest.approx(0.6) and record[
+        "profile/gpu_ms/twell"
+    ] == pytest.approx(0.3)
+    assert record["profile/gpu_idle_ms/forward"] == pytest.approx(1.1)
+    assert (
+        record["profile/gpu_idle_ms"] == pytest.approx(1.1) and "profile/gpu_idle_ms_by_phase" not in record
+    )
+    assert "GPU idle by what the host was doing" in said[-1]

@@ -215,11 +215,12 @@ def job_settings(job, world_size: int, sharded: bool) -> dict:
     there, compile auto on unless under a CUDA graph; an "auto" FFN starts dense, so it is estimated
     dense), activation checkpointing left out."""
     tcfg = job.train
+    compiled = tcfg.compiles()
     return dict(
         sparse_ffn=job.model.ffn_impl == "twell", world_size=world_size, sharded=sharded,
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
-        keep_ffn_state=tcfg.compiles() and compiled_selective_checkpointing(), compiled=tcfg.compiles(),
+        keep_ffn_state=compiled and compiled_selective_checkpointing(), compiled=compiled,
     )  # fmt: skip
 
 

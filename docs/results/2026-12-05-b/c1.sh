@@ -4,7 +4,7 @@
 # host cost of one launch on the H200 host (31).
 set -uo pipefail
 t0=$(date +%s)
-source docs/results/2026-12-05-b/common.sh
+source docs/results/2026-12-05/common.sh
 echo "setup $(( $(date +%s) - t0 )) s"
 timeout 40 python3 docs/results/2026-12-05-b/launch_probe.py $OUT/launch_probe.json > $OUT/launch_probe.txt 2>&1; echo "launch probe rc $?"; cat $OUT/launch_probe.txt | tail -14
 echo "t $(( $(date +%s) - t0 )) s"

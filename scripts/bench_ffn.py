@@ -50,6 +50,7 @@ from twell.kernels.inference.inference import (
     DECODE_SLOTS,
     DECODE_TILE_N,
     FUSED_MAX_TOKENS,
+    FUSED_TILES,
     SCHEDULES,
     _hot_part,
     decode_split,
@@ -112,6 +113,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             variants = [dict(split=s) if s else {} for s in args.decode_splits]  # 0: the library default
             if M <= FUSED_MAX_TOKENS and not args.no_fused:
                 variants.append(dict(schedule="fused"))
+                variants += [dict(schedule="fused", fused_tile=t) for t in args.fused_tiles]
         else:
             variants = [dict(schedule=s, hot_units=k) for s in args.schedules for k in args.hot_units]
             variants += [dict(schedule="csr", hot_prefix=p) for p in args.hot_prefix if p]
@@ -158,7 +160,7 @@ def bench_one(inputs, args, compiled, profiles: list | None = None, calibration=
             elif "hot_units" in kw:
                 name = f"{kw['schedule']}{K}"
             elif kw.get("schedule") == "fused":
-                name = "fused"
+                name = f"fused{kw.get('fused_tile', '')}"  # "fused32": 32 units a program
             elif "split" in kw:  # "s16": split 16 given
                 name = f"s{kw['split']}"
             else:  # the default: "d-fused" (the fused kernel) or "d16" (row, which picks split 16 here)
@@ -261,6 +263,14 @@ def main(argv=None):
         nargs="*",
         default=[0],
         help="consumer programs per row, M <= 64 (0: the default, kernels.inference.inference.decode_split)",
+    )
+    p.add_argument(
+        "--fused-tiles",
+        type=int,
+        nargs="*",
+        default=[],
+        choices=FUSED_TILES,
+        help="also time schedule='fused' with these units per program (fused_tile; the default's is shown as 'fused')",
     )
     p.add_argument(
         "--no-fused",

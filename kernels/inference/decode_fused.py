@@ -33,11 +33,18 @@ import triton.language as tl
 from .._common import autotune, dot_in_fp32, dot_precision, interpreting, next_pow2, tma_ready
 from ..gate_gemm import gate_tile_preact
 
-FUSED_TILE_N = 64  # units per program: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
+FUSED_TILE_N = 64  # units per program by default: F / 64 programs (88 at d_ff 5632), as the decode TwELL gate
+FUSED_TILES = (16, 32, 64)  # the units per program a call may ask for (tl.dot's N is at least 16)
+
 GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's smallest)
 # The last program's [M, d_model] read of y32 stays in registers (the default call stops earlier:
 # kernels.inference.inference.default_fused_tokens).
 FUSED_MAX_TOKENS = 8
+
+
+def default_fused_tile(d_ff: int) -> int:
+    """Units per program of the fused kernel at this d_ff (FUSED_TILE_N)."""
+    return FUSED_TILE_N
 
 
 @triton.jit
@@ -147,7 +154,7 @@ def _fused_configs() -> list[triton.Config]:
     ]
 
 
-_tuned_fused = autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA"])(
+_tuned_fused = autotune(configs=_fused_configs(), key=["M_BUCKET", "F", "D", "BLOCK_K", "TMA", "TILE_N"])(
     _fused_decode_kernel
 )
 
@@ -171,21 +178,24 @@ def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.T
     return ws
 
 
-def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
+def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile: int = FUSED_TILE_N) -> torch.Tensor:
     """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks, the token bound included, are
-    the caller's; `workspace` from fused_workspace)."""
+    the caller's; `workspace` from fused_workspace). tile: units per program, one of FUSED_TILES (fewer
+    units a program: more programs for the gate GEMV, d_ff / tile of them)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if tile not in FUSED_TILES:
+        raise ValueError(f"tile={tile!r} must be one of {FUSED_TILES} (units of d_ff per program)")
     M, D = x.shape
     F = w_gate.shape[0]
     ticket, y32 = workspace
-    T = F // FUSED_TILE_N  # d_ff is a multiple of 64 (check_x_weight): program t takes units t + T j
+    T = F // tile  # d_ff is a multiple of 64 (check_x_weight): program t takes units t + T j
     tma = tma_ready(x, w_gate)  # TMA loads for the gate GEMV (Hopper+, aligned), else pointer loads
     # 128-wide K steps (the decode gate's); pointer loads need D % BLOCK_K == 0
     block_k = 128 if D % 128 == 0 and not interpreting() else 64
     if tma:
         x_src = TensorDescriptor.from_tensor(x, [GATE_BLOCK_M, block_k])
-        w_src = TensorDescriptor.from_tensor(w_gate.view(FUSED_TILE_N, T, D), [FUSED_TILE_N, 1, block_k])
+        w_src = TensorDescriptor.from_tensor(w_gate.view(tile, T, D), [tile, 1, block_k])
     else:
         x_src, w_src = x, w_gate
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
@@ -195,7 +205,7 @@ def fused_ffn_decode(x, w_gate, w_up, w_down, workspace) -> torch.Tensor:
         BLOCK_D=next_pow2(D),
         BLOCK_M=GATE_BLOCK_M,
         M_PAD=next_pow2(M),
-        TILE_N=FUSED_TILE_N,
+        TILE_N=tile,
         BLOCK_K=block_k,
         TMA=tma,
         DOT_FP32=dot_in_fp32(x.dtype),

@@ -47,7 +47,7 @@ from ..bitmask import count_fires
 from ..gate import _twell_gate, relu_gate_bits, twell_gate_hot
 from ..training.train_format import build_pattern, hot_split
 from ..training.train_rowfwd import row_ffn_inference
-from .decode_fused import FUSED_MAX_TOKENS, fused_ffn_decode, fused_workspace
+from .decode_fused import FUSED_MAX_TOKENS, FUSED_TILES, default_fused_tile, fused_ffn_decode, fused_workspace
 from .prefix import gated_up
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
@@ -341,6 +341,7 @@ def twell_ffn_inference(
     split: int | None = None,
     hot_units: int | None = None,
     hot_prefix: int = 0,
+    fused_tile: int | None = None,
     return_stats: bool = False,
 ):
     """y = (relu(x w_gate^T) * (x w_up^T)) @ w_down with TwELL kernels; no autograd, no host sync.
@@ -358,13 +359,18 @@ def twell_ffn_inference(
     the units are ordered by firing rate (order_units / model.ffn reorder: the order is a property of
     the weights, so it is chosen once on calibration tokens). csr schedule only (None picks it above
     64 tokens); ignored at decode sizes, where the row schedule runs; not combined with hot_units.
+    fused_tile: units of d_ff per program of the fused schedule, one of FUSED_TILES (None:
+    default_fused_tile(d_ff)); fewer units a program, more programs share its gate GEMV.
     With return_stats=True returns (y, InferenceStats): overflow_rows counts the rows whose positives
     did not all fit the format (row: a tile past its slots; csr: entries past the CSR's capacity),
     each computed exactly on its overflow path.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_kernel_device(x)
-    defaults = schedule is None and slots is None and tile_n is None and split is None and not return_stats
+    defaults = (
+        schedule is None and slots is None and tile_n is None and split is None and fused_tile is None
+        and not return_stats
+    )  # fmt: skip
     if defaults and torch.compiler.is_compiling():
         # One opaque node for torch.compile (no graph break: the ops around it stay in one graph).
         return torch.ops.twell.ffn_inference(
@@ -399,8 +405,14 @@ def twell_ffn_inference(
         raise ValueError(
             f"hot_prefix={hot_prefix} and hot_units={hot_units}: choose one way of computing hot units densely"
         )
+    if fused_tile is not None and (schedule != "fused" or fused_tile not in FUSED_TILES):
+        raise ValueError(
+            f"fused_tile={fused_tile!r} is an option of schedule='fused' (here {schedule!r}) and must be one "
+            f"of {FUSED_TILES}; leave it out otherwise"
+        )
     if schedule == "fused":  # every positive is used in-program: nothing can overflow
-        y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace)
+        tile = default_fused_tile(w_gate.shape[0]) if fused_tile is None else fused_tile
+        y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile)
         stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
     elif schedule == "csr":
         _reject_twell_options("csr", slots, tile_n, split)

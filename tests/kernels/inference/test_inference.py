@@ -355,6 +355,26 @@ def test_fused_matches_reference_on_hard_patterns(loads, M, D, F, dtype, poisone
     assert _workspace_is_clean(x)  # the last program left ticket and fp32 rows ready for the next call
 
 
+@pytest.mark.parametrize("tile", [16, 32])
+@pytest.mark.parametrize("M,D,F,dtype", [(1, 64, 192, torch.bfloat16), (4, 128, 256, torch.float32)])
+def test_fused_with_fewer_units_per_program_matches_reference(tile, M, D, F, dtype, poisoned_empty):
+    """tile < 64: d_ff / tile programs share the gate GEMV (more of the GPU's SMs at decode sizes); each
+    program's interleaved slice (units t, t + T, ...) again holds a unit that fires for every token."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x, wg, wu, wd = _hard_inputs(M, D, F, dtype, seed)
+    make_units_always_active(wg, slice(1, F, F // tile))
+    x, wg, wu, wd = (t.to(DEVICE) for t in (x, wg, wu, wd))
+    workspace = decode_fused.fused_workspace(x.device, D)
+    y = decode_fused.fused_ffn_decode(x, wg, wu, wd, workspace, tile=tile)
+    err, _ = _row_errors(y, x, wg, wu, wd)
+    assert err.max() < ROW_TOL[dtype], (
+        f"seed {seed}, tile {tile}: worst row {int(err.argmax())} rel err {float(err.max()):.3g}"
+    )
+    assert _workspace_is_clean(x)
+    with pytest.raises(ValueError, match="tile=48 must be one of"):
+        decode_fused.fused_ffn_decode(x, wg, wu, wd, workspace, tile=48)
+
+
 def test_fused_calls_in_a_row_share_the_workspace():
     """Calls of other widths and batch sizes in between (another program count on the same ticket,
     another d_model's workspace) leave every result exact; the same inputs give the same y up to the

@@ -16,3 +16,5 @@ echo "t $(( $(date +%s) - t0 )) s"
 timeout 40 python3 docs/results/2026-12-05-b/launch_probe.py $OUT/launch_probe.json > $OUT/launch_probe.txt 2>&1
 echo "launch probe rc $?"; tail -14 $OUT/launch_probe.txt
 echo "total $(( $(date +%s) - t0 )) s"
+timeout 60 python3 docs/results/2026-12-05-c/reinit_cost.py > $OUT/reinit_cost.txt 2>&1; echo "reinit cost rc $?"; tail -5 $OUT/reinit_cost.txt
+echo "total $(( $(date +%s) - t0 )) s"

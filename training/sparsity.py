@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from twell.kernels.reinit import MAX_MOMENTS, philox_seed, reinit_rows_
 from twell.training.config import SparsityConfig
 from twell.training.distributed import all_reduce_
 
@@ -155,25 +156,62 @@ def reinit_dead_gate_rows(
     lam: float,
     sigma: float,
     optimizer: torch.optim.Optimizer | None = None,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """W_g[j] <- (1 - lam) W_g[j] + lam N(0, sigma^2) for every dead unit j of every layer.
 
-    The noise comes from a generator seeded by (seed, step, layer), so every data-parallel rank
-    draws the same numbers and the replicas stay identical without a broadcast. Each rank draws the
-    noise of the whole [d_ff, d_model] matrix and applies the rows it holds: all of them under DDP,
-    its shard of the units under FSDP2 (gate weights and AdamW moments are then DTensors sharded on
-    dim 0), so the gathered weight is exactly what one process computes. With `optimizer`, the AdamW
-    moments of those rows are zeroed too. Returns the number of rows per layer (device).
+    The noise is a function of (seed, step, layer) and the element's place in the whole [d_ff, d_model]
+    matrix, so every data-parallel rank draws the same numbers and the replicas stay identical without a
+    broadcast, and a rank that holds a shard of the units (FSDP2: gate weights and AdamW moments are
+    DTensors sharded on dim 0) draws exactly its rows' part of the one-process noise. With `optimizer`,
+    the AdamW moments of those rows are zeroed too. Returns the number of rows per layer (device).
+
+    kernel (None: on CUDA): one Triton kernel per layer that reads and writes only the dead rows, its
+    noise Philox from the element's global index (kernels/reinit.py); otherwise PyTorch draws the whole
+    matrix from a generator seeded by (seed, step, layer) and blends it in where a row is dead (the two
+    draw different numbers from the same seed: a run keeps one or the other).
     """
+    if kernel is None:
+        kernel = bool(gate_weights) and _local(gate_weights[0]).device.type == "cuda"
     for layer, (weight, dead_rows) in enumerate(zip(gate_weights, dead)):
+        moments = []
+        if optimizer is not None:
+            moments = [
+                m
+                for m in optimizer.state.get(weight, {}).values()
+                if torch.is_tensor(m) and m.shape == weight.shape
+            ]
+        if kernel:
+            _reinit_layer_kernel(weight, dead_rows, philox_seed(seed, step, layer), lam, sigma, moments)
+            continue
         gen = torch.Generator(device=weight.device)
-        gen.manual_seed((seed * 1_000_003 + step) * 1_009 + layer)
+        gen.manual_seed(philox_seed(seed, step, layer))
         noise = torch.randn(weight.shape, generator=gen, device=weight.device, dtype=weight.dtype)
         mask = dead_rows.unsqueeze(1).expand(weight.shape)
         local, local_noise, local_mask = _local(weight), _owned_part(weight, noise), _owned_part(weight, mask)
         local.copy_(torch.where(local_mask, (1.0 - lam) * local + (lam * sigma) * local_noise, local))
-        if optimizer is not None:
-            for moment in optimizer.state.get(weight, {}).values():
-                if torch.is_tensor(moment) and moment.shape == weight.shape:
-                    _local(moment).masked_fill_(_owned_part(moment, mask), 0.0)
+        for moment in moments:
+            _local(moment).masked_fill_(_owned_part(moment, mask), 0.0)
     return dead.sum(dim=1)
+
+
+def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) -> None:
+    """One layer's re-init through kernels/reinit.py on this rank's rows (a DTensor's shard: its rows'
+    flags and global indices cut from full-size views, without communication)."""
+    rows = None
+    if isinstance(weight, DTensor):
+        index = torch.arange(weight.shape[0], device=dead_rows.device)
+        rows = _owned_part(weight, index.unsqueeze(1).expand(weight.shape))[:, 0].contiguous()
+        dead_rows = _owned_part(weight, dead_rows.unsqueeze(1).expand(weight.shape))[:, 0]
+    local_moments = [_local(m) for m in moments]
+    reinit_rows_(
+        _local(weight),
+        dead_rows.contiguous(),
+        stream_seed,
+        lam,
+        sigma,
+        tuple(local_moments[:MAX_MOMENTS]),
+        rows,
+    )
+    for moment in local_moments[MAX_MOMENTS:]:
+        moment.masked_fill_(dead_rows.unsqueeze(1), 0.0)

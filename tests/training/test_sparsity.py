@@ -93,7 +93,9 @@ def test_dead_window_counts_tokens_across_step_sizes_and_a_resume():
     assert torch.equal(resumed.tokens_since_fire, whole.tokens_since_fire)
 
 
-def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics(kernel):
+    """kernel: kernels/reinit.py (the default on CUDA; Triton's interpreter here), else PyTorch's draw."""
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(1024, 256) * 0.05) for _ in range(2)]
     dead = torch.zeros(2, 1024, dtype=torch.bool)
@@ -103,7 +105,9 @@ def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics():
     sum(w.square().sum() for w in weights).backward()
     optimizer.step()  # AdamW moments exist now
     before = [w.detach().clone() for w in weights]
-    counts = reinit_dead_gate_rows(weights, dead, step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer)
+    counts = reinit_dead_gate_rows(
+        weights, dead, step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer, kernel=kernel
+    )
     assert counts.tolist() == [342, 1]
     for w, old, rows in zip(weights, before, dead):
         moved = (w.detach() != old).any(dim=1)
@@ -117,10 +121,10 @@ def test_reinit_touches_exactly_the_dead_rows_with_the_right_statistics():
         assert torch.all(moments["exp_avg"][~rows] != 0)
     # The same (seed, step) draws the same noise; another step draws other noise.
     again = [torch.nn.Parameter(old.clone()) for old in before]
-    reinit_dead_gate_rows(again, dead, step=7, seed=0, lam=0.1, sigma=0.02)
+    reinit_dead_gate_rows(again, dead, step=7, seed=0, lam=0.1, sigma=0.02, kernel=kernel)
     assert all(torch.equal(a, w) for a, w in zip(again, weights))
     other = [torch.nn.Parameter(old.clone()) for old in before]
-    reinit_dead_gate_rows(other, dead, step=8, seed=0, lam=0.1, sigma=0.02)
+    reinit_dead_gate_rows(other, dead, step=8, seed=0, lam=0.1, sigma=0.02, kernel=kernel)
     assert not torch.equal(other[0], weights[0])
 
 
@@ -164,7 +168,7 @@ def _dead_set() -> torch.Tensor:
     return dead
 
 
-def _fsdp_reinit_on_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def _fsdp_reinit_on_rank(rank: int, world_size: int, init_file: str, out_dir: str, kernel: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -192,21 +196,24 @@ def _fsdp_reinit_on_rank(rank: int, world_size: int, init_file: str, out_dir: st
 
     before = full()
     counts = reinit_dead_gate_rows(
-        weights, _dead_set(), step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer
+        weights, _dead_set(), step=7, seed=0, lam=0.1, sigma=0.02, optimizer=optimizer, kernel=kernel
     )
     torch.save({"before": before, "after": full(), "counts": counts}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
-def test_reinit_under_fsdp_equals_the_unsharded_reinit(tmp_path):
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_reinit_under_fsdp_equals_the_unsharded_reinit(tmp_path, kernel):
     """FSDP2 shards each gate weight (and its AdamW moments) by rows, i.e. by unit: each rank re-draws
-    the rows it holds from the same full noise, so the gathered result is the one-process result."""
-    mp.spawn(_fsdp_reinit_on_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    the rows it holds from the same full noise, so the gathered result is the one-process result (the
+    kernel: from the rows' global indices)."""
+    args = (2, str(tmp_path / "init"), str(tmp_path), kernel)
+    mp.spawn(_fsdp_reinit_on_rank, args=args, nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     before, after, dead = rank0["before"], rank0["after"], _dead_set()
     assert rank0["counts"].tolist() == [23, 2]
     plain = [torch.nn.Parameter(w.clone()) for w in before["weights"]]
-    reinit_dead_gate_rows(plain, dead, step=7, seed=0, lam=0.1, sigma=0.02)
+    reinit_dead_gate_rows(plain, dead, step=7, seed=0, lam=0.1, sigma=0.02, kernel=kernel)
     for layer, rows in enumerate(dead):
         got, old = after["weights"][layer], before["weights"][layer]
         assert torch.equal(got, plain[layer].detach())  # exactly the unsharded re-init

@@ -1,6 +1,7 @@
 """Issue 30/31: what the trainer's per-step sparsity work costs at 1.5b (28 layers, w_gate [5632, 2048] fp32
 masters with AdamW moments): ActivityTracker.end_step + reinit_dead_gate_rows, host issue time and GPU time
-per step, with 0.5% and 30% of the units dead.
+per step, with 0.5% and 30% of the units dead; the re-init as PyTorch draws it (the whole matrix) and as
+kernels/reinit.py does (the dead rows only).
 
     python docs/results/2026-12-05-c/reinit_cost.py
 """
@@ -26,7 +27,14 @@ def main() -> None:
         dead = torch.rand(L, F, device=dev) < frac
         for label, fn in (
             ("end_step", lambda: tracker.end_step(1)),
-            ("reinit", lambda dead=dead: reinit_dead_gate_rows(weights, dead, 1, 0, 0.1, 0.02, opt)),
+            (
+                "reinit torch",
+                lambda d=dead: reinit_dead_gate_rows(weights, d, 1, 0, 0.1, 0.02, opt, kernel=False),
+            ),
+            (
+                "reinit kernel",
+                lambda d=dead: reinit_dead_gate_rows(weights, d, 1, 0, 0.1, 0.02, opt, kernel=True),
+            ),
         ):
             for _ in range(3):
                 fn()
@@ -42,7 +50,7 @@ def main() -> None:
             torch.cuda.synchronize()
             wall = start.elapsed_time(end) / n
             print(
-                f"dead {frac:5.3f} {label:9s} host issue {host:7.3f} ms/step, GPU+host wall {wall:7.3f} ms/step"
+                f"dead {frac:5.3f} {label:13s} host issue {host:7.3f} ms/step, GPU+host wall {wall:7.3f} ms/step"
             )
 
 

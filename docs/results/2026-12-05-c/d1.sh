@@ -10,7 +10,7 @@ timeout 110 python3 scripts/bench_ffn.py --tokens 1 2 --d-ff 5632 --fused-tiles 
   --out $OUT/bench_ffn_tiles.json > $OUT/bench_ffn_tiles.txt 2>&1; echo "bench_ffn rc $?"
 grep -E "^ *tokens|fused|d16" $OUT/bench_ffn_tiles.txt | cut -c1-220
 echo "t $(( $(date +%s) - t0 )) s"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_reinit.py > $OUT/reinit_tests.txt 2>&1; echo "reinit tests rc $?"; tail -2 $OUT/reinit_tests.txt
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_reinit.py tests/kernels/inference/test_inference.py -k "reinit or noise or dead_row or fused_with_fewer" > $OUT/reinit_tests.txt 2>&1; echo "reinit tests rc $?"; tail -2 $OUT/reinit_tests.txt
 timeout 60 python3 docs/results/2026-12-05-c/reinit_cost.py > $OUT/reinit_cost.txt 2>&1; echo "reinit cost rc $?"; tail -6 $OUT/reinit_cost.txt
 timeout 40 python3 docs/results/2026-12-05-b/launch_probe.py $OUT/launch_probe.json > $OUT/launch_probe.txt 2>&1
 echo "launch probe rc $?"; tail -12 $OUT/launch_probe.txt

@@ -41,6 +41,10 @@ from twell.model.transformer import Transformer
 # first token from 14.5 to 32.4 ms at 512 tokens and from 22.2 to 30.3 ms at 8 x 512; its csr kernel is
 # 1.75x faster than dense at 16,384 tokens (in a CUDA graph), the size from which it is used.
 PREFILL_FFN = ("auto", "dense", "model")
+# How a one-token step attends (Decoder's attention): "sdpa", PyTorch's scaled_dot_product_attention over the
+# whole cache under a mask; "flash_decode", kernels/inference/decode_attention.py (the keys split over the
+# GPU's SMs, each row read only up to its own position).
+DECODE_ATTENTION = ("sdpa", "flash_decode")
 DENSE_PREFILL_TOKENS = 16384
 CACHE_ROUND = 64  # a cache made by generate() holds a multiple of this many slots (capped at max_seq_len)
 GRAPH_WARMUP_STEPS = 2  # eager steps on the capture stream before a capture: autotuning, workspaces
@@ -142,6 +146,8 @@ class Decoder:
     prefill_ffn: how a prefill runs sparse layers' FFNs (PREFILL_FFN; default "auto": dense matmuls for
     prompts of fewer than DENSE_PREFILL_TOKENS tokens in all, where they are faster, TwELL above); the
     one-token steps always take each layer's routing.
+    attention: how a one-token step attends (DECODE_ATTENTION; "flash_decode" needs CUDA or Triton's
+    interpreter); prefills attend causally through PyTorch's attention either way.
     """
 
     def __init__(
@@ -154,11 +160,22 @@ class Decoder:
         compile: bool = False,
         fuse_qkv: bool | None = None,
         prefill_ffn: str = "auto",
+        attention: str = "sdpa",
     ):
         if prefill_ffn not in PREFILL_FFN:
             raise ValueError(f"prefill_ffn={prefill_ffn!r} is not one of {PREFILL_FFN}")
-        self.prefill_ffn = prefill_ffn
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"attention={attention!r} is not one of {DECODE_ATTENTION}")
+        self.prefill_ffn, self.attention = prefill_ffn, attention
         weight = model.tok_embeddings.weight
+        if attention == "flash_decode":
+            from twell.kernels._common import check_kernel_device
+            from twell.kernels.inference import decode_attention  # noqa: F401 - registers twell::decode_attention
+
+            try:
+                check_kernel_device(weight)
+            except ValueError as err:
+                raise ValueError(f"attention='flash_decode': {err}; or use attention='sdpa'") from None
         self.model = model
         self.cache = KVCache(model.cfg, batch_size, max_len, device=weight.device, dtype=weight.dtype)
         if cuda_graph and weight.device.type != "cuda":
@@ -287,7 +304,7 @@ class Decoder:
         mask = (self._slots <= positions[:, None]).view(batch, 1, 1, self.max_len)
         hidden = self.model.hidden_states(
             self._tokens[:batch, None],
-            kv=self.cache.decode_views(positions, mask, self._qkv),
+            kv=self.cache.decode_views(positions, mask, self._qkv, self.attention),
             positions=positions[:, None],
             run_block=compiled("decode") if self.compile else None,
             run_norm=compiled("norm") if self.compile else None,

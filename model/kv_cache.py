@@ -28,6 +28,9 @@ class LayerKV(NamedTuple):
     # Optional: this layer's q, k and v projections as one [(n_heads + 2 n_kv_heads) hd, d_model] weight
     # (Decoder(fuse_qkv=True)): one GEMV a token where three read the same x (generation is bound by them).
     qkv: torch.Tensor | None = None
+    # How a decode step attends: "sdpa" (PyTorch's scaled_dot_product_attention under `mask`) or
+    # "flash_decode" (kernels/inference/decode_attention.py: split keys, only the slots up to each row's).
+    attention: str = "sdpa"
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new k, v [B, n_kv_heads, S, head_dim]; return the keys and values to attend to
@@ -81,11 +84,22 @@ class KVCache:
         ]
 
     def decode_views(
-        self, positions: torch.Tensor, mask: torch.Tensor, qkv: list[torch.Tensor] | None = None
+        self,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        qkv: list[torch.Tensor] | None = None,
+        attention: str = "sdpa",
     ) -> list[LayerKV]:
         """Per layer, the first len(positions) rows, written at `positions` by a one-token step."""
         batch = positions.shape[0]
         return [
-            LayerKV(self.k[i, :batch], self.v[i, :batch], positions, mask, None if qkv is None else qkv[i])
+            LayerKV(
+                self.k[i, :batch],
+                self.v[i, :batch],
+                positions,
+                mask,
+                None if qkv is None else qkv[i],
+                attention,
+            )
             for i in range(self.k.shape[0])
         ]

@@ -53,6 +53,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+def _flash_decode(q, k, v, positions):
+    """A decode step's attention through the Triton kernel (one opaque node when torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.twell.decode_attention(q, k, v, positions)
+    from twell.kernels.inference.decode_attention import decode_attention
+
+    return decode_attention(q, k, v, positions)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with RoPE; grouped-query when n_kv_heads < n_heads."""
 
@@ -90,6 +99,9 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.store(k, v)
             mask = kv.mask
+            if kv.positions is not None and kv.attention == "flash_decode":
+                out = _flash_decode(q, k, v, kv.positions)
+                return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
         # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), HF's repeat_kv order.
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads

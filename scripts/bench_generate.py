@@ -35,7 +35,7 @@ from bench_model import set_ffn_impl  # scripts/
 
 from twell.model import Decoder, ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
-from twell.model.generate import PREFILL_FFN, cache_len_for, generate
+from twell.model.generate import DECODE_ATTENTION, PREFILL_FFN, cache_len_for, generate
 
 IMPLS = ("dense", "twell")
 WARM_TOKENS = 3  # the warm-up run: prefill, graph capture and two replays
@@ -98,7 +98,7 @@ def run_variant(
     max_len = cache_len_for(model.cfg.max_seq_len, args.prompt_len, args.new_tokens)
     decoder = Decoder(
         model, len(prompts), max_len, cuda_graph=args.graph, compile=args.compile, fuse_qkv=args.fuse_qkv,
-        prefill_ffn=args.prefill_ffn,
+        prefill_ffn=args.prefill_ffn, attention=args.attention,
     )  # fmt: skip
     generate(model, prompts, WARM_TOKENS, decoder=decoder)
     runs = [generate(model, prompts, args.new_tokens, decoder=decoder) for _ in range(args.repeats)]
@@ -111,6 +111,7 @@ def run_variant(
         "compiled": args.compile,
         "fused_qkv": decoder.fused_qkv,
         "prefill_ffn": args.prefill_ffn,
+        "attention": args.attention,
         "ttft_ms": min(run.time_to_first_token_s for run in runs) * 1e3,
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,
         "step_ms": best.decode_s / best.steps * 1e3,
@@ -260,6 +261,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--prefill-ffn", choices=PREFILL_FFN, default="auto",
         help="how the prefill runs TwELL layers: auto (dense below 16,384 prompt tokens), dense, model (TwELL)",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention", choices=DECODE_ATTENTION, default="sdpa",
+        help="how a decode step attends: sdpa (PyTorch, masked cache) or flash_decode (Triton, split keys)",
     )  # fmt: skip
     p.add_argument("--profile", default=None, help="folder: a per-kernel profile of the decode steps per row")
     p.add_argument(

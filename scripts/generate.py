@@ -14,8 +14,8 @@ stop_at_eos (true: a row ends at the tokenizer's EOS), bos (true: each prompt st
 which separates documents in training data), batch_size (default 8), device (default cuda if available),
 dtype (default bfloat16 on CUDA, float32 on CPU), cuda_graph (default true on CUDA), compile (default true
 on CUDA), prefill_ffn (auto, dense or model: how the prompt's pass runs sparse layers; auto, the default,
-takes dense matmuls below 16,384 prompt tokens, where they are faster), out (a JSONL file of the prompts
-and completions).
+takes dense matmuls below 16,384 prompt tokens, where they are faster), attention (sdpa or flash_decode:
+how a decode step attends; default sdpa), out (a JSONL file of the prompts and completions).
 """
 
 import json
@@ -39,6 +39,7 @@ SCRIPT_KEYS |= {
     "cuda_graph",
     "compile",
     "prefill_ffn",
+    "attention",
     "out",
 }
 
@@ -121,7 +122,7 @@ def main(argv=None) -> list[dict]:
     max_len = cache_len_for(net.cfg.max_seq_len, max(len(p) for p in prompts), max_new_tokens)
     decoder = Decoder(
         net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph, compile=compile_blocks,
-        prefill_ffn=options.get("prefill_ffn", "auto"),
+        prefill_ffn=options.get("prefill_ffn", "auto"), attention=options.get("attention", "sdpa"),
     )  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(int(options.get("seed", 0)))
 

@@ -224,6 +224,8 @@ def test_bad_inputs_name_the_fix():
         Decoder(model, 1, 65)
     with pytest.raises(ValueError, match=r"prefill_ffn='sparse' is not one of \('auto', 'dense', 'model'\)"):
         Decoder(model, 1, 8, prefill_ffn="sparse")
+    with pytest.raises(ValueError, match=r"attention='flash' is not one of \('sdpa', 'flash_decode'\)"):
+        Decoder(model, 1, 8, attention="flash")
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
         Decoder(model, 1, 8, cuda_graph=True)
 
@@ -277,6 +279,24 @@ def test_fused_qkv_projection_decodes_as_the_three_and_follows_weight_updates():
     assert not torch.allclose(refreshed, fused)
 
 
+@pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled"])
+def test_flash_decode_attention_decodes_as_sdpa(compile_blocks):
+    """Decoder(attention="flash_decode"): the Triton decode attention (interpreter here; one opaque op in a
+    compiled block) gives PyTorch's attention's logits at every step, rows of different lengths included
+    (each row reads its cache only up to its own position)."""
+    torch._dynamo.reset()
+    model = make_model(12)
+    prompts = random_prompts([1, 9, 4], SHAPE["vocab_size"], 12)
+    continuations = random_prompts([6, 6, 6], SHAPE["vocab_size"], 112)
+    want = teacher_forced_logits(model, prompts, continuations)
+    got = teacher_forced_logits(
+        model, prompts, continuations, attention="flash_decode", compile=compile_blocks
+    )
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["dense", "twell"])
 def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
@@ -288,8 +308,8 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
     model.to(torch.bfloat16)
     prompts = random_prompts([5, 17, 2, 9, 1, 30, 4, 8], SHAPE["vocab_size"], 9)
 
-    def decode(net, batch, graph=False, compile_blocks=False, tokens=None):
-        decoder = Decoder(net, 8, 64, cuda_graph=graph, compile=compile_blocks)
+    def decode(net, batch, graph=False, compile_blocks=False, tokens=None, attention="sdpa"):
+        decoder = Decoder(net, 8, 64, cuda_graph=graph, compile=compile_blocks, attention=attention)
         logits, fed = [decoder.prefill(prompts[:batch]).float()], []
         for step in range(6):
             fed.append(logits[-1].argmax(-1) if tokens is None else tokens[step])
@@ -304,6 +324,11 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(impl):
         compiled = decode(model, batch, graph=True, compile_blocks=True, tokens=tokens)[0]
         eager_error, compiled_error = (eager - truth).abs().max(), (compiled - truth).abs().max()
         assert compiled_error <= 2 * eager_error + 1e-2, (batch, float(compiled_error), float(eager_error))
+        flash = decode(
+            model, batch, graph=True, compile_blocks=True, tokens=tokens, attention="flash_decode"
+        )[0]
+        flash_error = (flash - truth).abs().max()
+        assert flash_error <= 2 * eager_error + 1e-2, (batch, float(flash_error), float(eager_error))
     out = generate(model, prompts, 6, cuda_graph=True)
     assert out.tokens == generate(model, prompts, 6).tokens
     # The graph captured at the cache's last slot (its warm-up steps must stay inside the cache).

@@ -107,7 +107,7 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, splits: int | None = None
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) v for one query token per row over the cache slots 0 .. positions[b]:
-    q [B, H, 1, hd], k and v [B, Hkv, max_len, hd] (H a multiple of Hkv; last dims contiguous), positions
+    q [B, H, 1, hd], k and v [B, Hkv, max_len, hd] (H a multiple of Hkv; k and v with a contiguous last dim), positions
     int [B] -> [B, H, 1, hd] in q's dtype. splits: key splits per (row, KV head) (None: decode_splits)."""
     B, H, S, HD = q.shape
     if S != 1:
@@ -120,8 +120,10 @@ def decode_attention(
         )
     if positions.shape != (B,):
         raise ValueError(f"positions must hold one slot per row ([{B}]), got shape {tuple(positions.shape)}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k and v need a contiguous last (head) dimension")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a contiguous last (head) dimension, as the KV cache's views have")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     G = H // HKV
     splits = decode_splits(B * HKV, L) if splits is None else splits
     chunk = cdiv(cdiv(L, splits), 16) * 16

@@ -205,6 +205,9 @@ class SparsityConfig:
     reinit_lambda: float = 0.1  # W_g[j] <- (1 - lambda) W_g[j] + lambda N(0, sigma^2)
     reinit_sigma: float = 0.02
     reset_optimizer_moments: bool = False  # also zero that row's AdamW moments (paper is silent)
+    # Re-draw dead rows with one Triton kernel per layer (kernels/reinit.py, CUDA): only the dead rows are
+    # read and written, other noise than PyTorch's draw of the whole matrix (the default).
+    reinit_kernel: bool = False
 
     def __post_init__(self):
         _positive("sparsity.l1_coef", self.l1_coef, allow_zero=True)

@@ -156,7 +156,7 @@ def reinit_dead_gate_rows(
     lam: float,
     sigma: float,
     optimizer: torch.optim.Optimizer | None = None,
-    kernel: bool | None = None,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """W_g[j] <- (1 - lam) W_g[j] + lam N(0, sigma^2) for every dead unit j of every layer.
 
@@ -166,13 +166,12 @@ def reinit_dead_gate_rows(
     DTensors sharded on dim 0) draws exactly its rows' part of the one-process noise. With `optimizer`,
     the AdamW moments of those rows are zeroed too. Returns the number of rows per layer (device).
 
-    kernel (None: on CUDA): one Triton kernel per layer that reads and writes only the dead rows, its
-    noise Philox from the element's global index (kernels/reinit.py); otherwise PyTorch draws the whole
-    matrix from a generator seeded by (seed, step, layer) and blends it in where a row is dead (the two
-    draw different numbers from the same seed: a run keeps one or the other).
+    kernel (sparsity.reinit_kernel; CUDA, or Triton's interpreter): one Triton kernel per layer that reads
+    and writes only the dead rows, its noise Philox from the element's global index (kernels/reinit.py);
+    otherwise PyTorch draws the whole matrix from a generator seeded by (seed, step, layer) and blends it
+    in where a row is dead (the two draw different numbers from the same seed: a run keeps one or the
+    other).
     """
-    if kernel is None:
-        kernel = bool(gate_weights) and _local(gate_weights[0]).device.type == "cuda"
     for layer, (weight, dead_rows) in enumerate(zip(gate_weights, dead)):
         moments = []
         if optimizer is not None:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from twell.kernels._common import interpreting
 from twell.training.checkpoint import (
     CONFIG_NAME,
     Checkpointer,
@@ -231,6 +232,11 @@ class Trainer:
         tcfg = job.train
         if tcfg.cuda_graph:  # before anything is built: the set-ups a capture cannot hold are refused
             check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
+        if job.sparsity.reinit_kernel and self.device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"sparsity.reinit_kernel=true runs a Triton kernel, which needs a CUDA device (this run trains "
+                f"on {self.device.type}); set sparsity.reinit_kernel=false"
+            )
         self.grad_accum = tcfg.grad_accum(info.world_size)
         self.precision = resolve_precision(tcfg.precision, self.device)
         self.total_steps = tcfg.steps
@@ -573,6 +579,7 @@ class Trainer:
                 scfg.reinit_lambda,
                 scfg.reinit_sigma,
                 self.optimizer if scfg.reset_optimizer_moments else None,
+                kernel=scfg.reinit_kernel,
             )
         if self.job.model.ffn_impl == "auto" and self.step % self.job.model.twell_check_interval == 0:
             self.model.update_ffn_routing(self.tracker.route_mean(), self.twell_threshold)

@@ -88,6 +88,32 @@ def test_resume_gives_bit_identical_losses(reference_run, tmp_path):
         assert loss == reference[step], f"step {step}: resumed {loss!r} != unbroken {reference[step]!r}"
 
 
+def test_reinit_kernel_trains_and_redraws_the_dead_rows(reference_run, tmp_path, monkeypatch):
+    """sparsity.reinit_kernel=true: the dead rows are re-drawn by kernels/reinit.py (Triton's interpreter
+    here): the same steps as the reference until its first re-init (same dead units, other noise after
+    it), re-inits counted as before, a finite loss; refused where no kernel can run."""
+    overrides, _, ref_records = reference_run
+    overrides = [o for o in overrides if not o.startswith(("run_dir=", "train.steps="))]
+    got = run_job(
+        [*overrides, f"run_dir={tmp_path / 'kernel'}", "train.steps=12", "sparsity.reinit_kernel=true"]
+    )
+    first = next(i for i, r in enumerate(ref_records) if sum(r["reinit_units"]))
+    assert first < 11, "the test needs a re-init before the last step"
+    for ref, new in zip(ref_records[: first + 1], got):
+        assert new["loss"] == ref["loss"] and new["reinit_units"] == ref["reinit_units"], new["step"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in got)
+    assert got[first + 1]["loss"] != ref_records[first + 1]["loss"]  # other noise from the first re-init on
+    import twell.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "interpreting", lambda: False)
+    with pytest.raises(
+        ValueError, match="sparsity.reinit_kernel=true runs a Triton kernel, which needs a CUDA"
+    ):
+        train.build_trainer(
+            compose_job([*overrides, f"run_dir={tmp_path / 'cpu'}", "sparsity.reinit_kernel=true"])
+        )
+
+
 def test_activation_checkpointing_resumes_a_plain_checkpoint_exactly(reference_run, tmp_path):
     # Recomputing each block in the backward pass changes no number, and the wrapper keeps the
     # parameter names, so a checkpoint written without it loads into a run with it.

@@ -42,11 +42,6 @@ GATE_BLOCK_M = 16  # the batch is one row tile of the gate GEMV (16: tl.dot's sm
 FUSED_MAX_TOKENS = 8
 
 
-def default_fused_tile(d_ff: int) -> int:
-    """Units per program of the fused kernel at this d_ff (FUSED_TILE_N)."""
-    return FUSED_TILE_N
-
-
 @triton.jit
 def _fused_decode_kernel(
     x_src,
@@ -178,14 +173,16 @@ def fused_workspace(device: torch.device, D: int) -> tuple[torch.Tensor, torch.T
     return ws
 
 
-def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile: int = FUSED_TILE_N) -> torch.Tensor:
-    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks, the token bound included, are
-    the caller's; `workspace` from fused_workspace). tile: units per program, one of FUSED_TILES (fewer
-    units a program: more programs for the gate GEMV, d_ff / tile of them)."""
+def fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile: int | None = None) -> torch.Tensor:
+    """y of the FFN for M <= FUSED_MAX_TOKENS rows in one kernel (checks of the operands, the token bound
+    included, are the caller's; `workspace` from fused_workspace). tile: units per program, one of
+    FUSED_TILES (None: FUSED_TILE_N; fewer units a program: more programs for the gate GEMV, d_ff / tile
+    of them)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    tile = FUSED_TILE_N if tile is None else tile
     if tile not in FUSED_TILES:
-        raise ValueError(f"tile={tile!r} must be one of {FUSED_TILES} (units of d_ff per program)")
+        raise ValueError(f"fused_tile={tile!r} must be one of {FUSED_TILES} (units of d_ff per program)")
     M, D = x.shape
     F = w_gate.shape[0]
     ticket, y32 = workspace

@@ -47,7 +47,7 @@ from ..bitmask import count_fires
 from ..gate import _twell_gate, relu_gate_bits, twell_gate_hot
 from ..training.train_format import build_pattern, hot_split
 from ..training.train_rowfwd import row_ffn_inference
-from .decode_fused import FUSED_MAX_TOKENS, FUSED_TILES, default_fused_tile, fused_ffn_decode, fused_workspace
+from .decode_fused import FUSED_MAX_TOKENS, FUSED_TILES, fused_ffn_decode, fused_workspace
 from .prefix import gated_up
 
 # "row": the TwELL format (tile-wise ELL, the gate kernel's sparse epilogue) walked by one program per
@@ -360,7 +360,7 @@ def twell_ffn_inference(
     the weights, so it is chosen once on calibration tokens). csr schedule only (None picks it above
     64 tokens); ignored at decode sizes, where the row schedule runs; not combined with hot_units.
     fused_tile: units of d_ff per program of the fused schedule, one of FUSED_TILES (None:
-    default_fused_tile(d_ff)); fewer units a program, more programs share its gate GEMV.
+    decode_fused.FUSED_TILE_N); fewer units a program, more programs share its gate GEMV.
     With return_stats=True returns (y, InferenceStats): overflow_rows counts the rows whose positives
     did not all fit the format (row: a tile past its slots; csr: entries past the CSR's capacity),
     each computed exactly on its overflow path.
@@ -405,14 +405,13 @@ def twell_ffn_inference(
         raise ValueError(
             f"hot_prefix={hot_prefix} and hot_units={hot_units}: choose one way of computing hot units densely"
         )
-    if fused_tile is not None and (schedule != "fused" or fused_tile not in FUSED_TILES):
+    if fused_tile is not None and schedule != "fused":
         raise ValueError(
-            f"fused_tile={fused_tile!r} is an option of schedule='fused' (here {schedule!r}) and must be one "
-            f"of {FUSED_TILES}; leave it out otherwise"
+            f"fused_tile={fused_tile!r} is an option of schedule='fused' (here {schedule!r}), one of "
+            f"{FUSED_TILES}; leave it out otherwise"
         )
     if schedule == "fused":  # every positive is used in-program: nothing can overflow
-        tile = default_fused_tile(w_gate.shape[0]) if fused_tile is None else fused_tile
-        y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace, tile)
+        y = fused_ffn_decode(x, w_gate, w_up, w_down, workspace, fused_tile)
         stats = InferenceStats(torch.zeros((), dtype=torch.int32, device=x.device)) if return_stats else None
     elif schedule == "csr":
         _reject_twell_options("csr", slots, tile_n, split)

@@ -14,7 +14,7 @@ import torch
 from bench_generate import build_model, parse_args, run_variant
 from bench_model import set_ffn_impl
 
-from twell.kernels.inference import inference
+from twell.kernels.inference import decode_fused
 
 DEFAULT = ["dense:64:sdpa", "twell:64:sdpa", "twell:32:sdpa", "twell:16:sdpa", "dense:64:flash_decode",
            "twell:32:flash_decode"]  # fmt: skip
@@ -44,7 +44,7 @@ def main() -> None:
     for variant in own.variants:
         impl, tile, attention = variant.split(":")
         set_ffn_impl(model, impl)
-        inference.default_fused_tile = lambda d_ff, tile=int(tile): tile
+        decode_fused.FUSED_TILE_N = int(tile)  # the default call's tile, read at each call
         args.attention = attention
         for batch in own.batch:
             row, _ = run_variant(model, prompts[:batch], args, device)

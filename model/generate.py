@@ -301,7 +301,9 @@ class Decoder:
     def _step_body(self, batch: int) -> torch.Tensor:
         """One token per row from the static buffers: what a CUDA graph captures."""
         positions = self._positions[:batch]
-        mask = (self._slots <= positions[:, None]).view(batch, 1, 1, self.max_len)
+        mask = None  # flash_decode reads each row up to its position: no mask to build
+        if self.attention == "sdpa":
+            mask = (self._slots <= positions[:, None]).view(batch, 1, 1, self.max_len)
         hidden = self.model.hidden_states(
             self._tokens[:batch, None],
             kv=self.cache.decode_views(positions, mask, self._qkv, self.attention),

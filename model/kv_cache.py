@@ -24,7 +24,7 @@ class LayerKV(NamedTuple):
     k: torch.Tensor  # [B, n_kv_heads, max_len, head_dim]: this layer's cache rows
     v: torch.Tensor
     positions: torch.Tensor | None  # decode: int64 [B], each row's slot for its one new token; None: prefill
-    mask: torch.Tensor | None  # decode: bool [B, 1, 1, max_len], the slots each row attends to
+    mask: torch.Tensor | None  # decode under "sdpa": bool [B, 1, 1, max_len], the slots each row attends to
     # Optional: this layer's q, k and v projections as one [(n_heads + 2 n_kv_heads) hd, d_model] weight
     # (Decoder(fuse_qkv=True)): one GEMV a token where three read the same x (generation is bound by them).
     qkv: torch.Tensor | None = None
@@ -86,7 +86,7 @@ class KVCache:
     def decode_views(
         self,
         positions: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         qkv: list[torch.Tensor] | None = None,
         attention: str = "sdpa",
     ) -> list[LayerKV]:

@@ -99,11 +99,11 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.store(k, v)
             mask = kv.mask
-            if kv.positions is not None and kv.attention == "flash_decode":
-                out = _flash_decode(q, k, v, kv.positions)
-                return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
-        # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), HF's repeat_kv order.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        if kv is not None and kv.positions is not None and kv.attention == "flash_decode":
+            out = _flash_decode(q, k, v, kv.positions)
+        else:
+            # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), HF's repeat_kv order.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -128,7 +128,7 @@ def decode_attention(
     splits = decode_splits(B * HKV, L) if splits is None else splits
     chunk = cdiv(cdiv(L, splits), 16) * 16
     block_d = next_pow2(HD)
-    g_pad = max(next_pow2(G), 1)
+    g_pad = next_pow2(G)
     block_n = max(16, min(64, 8192 // (g_pad * block_d)))
     acc = torch.empty((B * H * splits, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((B * H * splits, 2), dtype=torch.float32, device=q.device)

@@ -195,13 +195,19 @@ def reinit_dead_gate_rows(
 
 
 def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) -> None:
-    """One layer's re-init through kernels/reinit.py on this rank's rows (a DTensor's shard: its rows'
-    flags and global indices cut from full-size views, without communication)."""
+    """One layer's re-init through kernels/reinit.py on this rank's rows. A DTensor (FSDP2 shards the units,
+    dim 0) gets its rows' flags and global indices in one cut, without communication, of a [d_ff, 2]
+    tensor (not two cuts of [d_ff, d_model] views)."""
     rows = None
     if isinstance(weight, DTensor):
+        if weight.to_local().shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"the re-init kernel needs whole gate rows on each rank (sharded on dim 0, the units); this "
+                f"weight is placed {weight.placements}; set sparsity.reinit_kernel=false"
+            )
         index = torch.arange(weight.shape[0], device=dead_rows.device)
-        rows = _owned_part(weight, index.unsqueeze(1).expand(weight.shape))[:, 0].contiguous()
-        dead_rows = _owned_part(weight, dead_rows.unsqueeze(1).expand(weight.shape))[:, 0]
+        flags, rows = _owned_part(weight, torch.stack([dead_rows.long(), index], dim=1)).unbind(1)
+        dead_rows = flags.bool()
     local_moments = [_local(m) for m in moments]
     reinit_rows_(
         _local(weight),
@@ -210,7 +216,7 @@ def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) ->
         lam,
         sigma,
         tuple(local_moments[:MAX_MOMENTS]),
-        rows,
+        None if rows is None else rows.contiguous(),
     )
     for moment in local_moments[MAX_MOMENTS:]:
         moment.masked_fill_(dead_rows.unsqueeze(1), 0.0)

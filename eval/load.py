@@ -128,9 +128,12 @@ def load_dcp_model(step_dir: Path, cfg: ModelConfig) -> Transformer:
     """Read only the model's tensors of a trainer checkpoint (optimizer state is left on disk)."""
     import torch.distributed.checkpoint as dcp
 
+    from twell.training.checkpoint import quiet_single_process
+
     net = Transformer(cfg)
     state = net.state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(step_dir))
+    with quiet_single_process():  # generate / eval / export read in one process, as intended
+        dcp.load({"model": state}, checkpoint_id=str(step_dir))
     net.load_state_dict(state)  # in place already; this also refreshes the FFN routing flags
     return net
 

@@ -18,6 +18,12 @@ The model: a --models preset with random weights calibrated to the paper's activ
 weights on the same prompts; TwELL's greedy tokens are compared with dense's: rows equal throughout,
 the mean share of tokens before the first difference, and at each first difference the dense logits' gap
 between the two tokens in bf16 steps (a gap of at most one step is a tie broken differently).
+Each row also gives the bytes a decode step must read at the least (bf16 weights and cache: every
+weight, w_up / w_down of the TwELL layers excepted, and the KV cache as the attention reads it: every
+slot under sdpa's mask, each row's own positions under flash_decode), the bandwidth that makes of the
+step time, and for TwELL the ceiling of its speed-up: dense's bytes over TwELL's when TwELL reads no
+w_up / w_down row at all and both run at the same bandwidth. At large batches the KV cache is most of
+the bytes on both sides and the ceiling falls towards 1.
 Writes bench_generate.json, bench_generate.png and prints the table (--out folder).
 """
 
@@ -116,13 +122,51 @@ def run_variant(
         "decode_tok_s": len(prompts) * best.steps / best.decode_s,
         "step_ms": best.decode_s / best.steps * 1e3,
         "cache_gib": decoder.cache.nbytes() / 2**30,
+        "sparse_layers": sum(block.ffn.impl != "dense" for block in model.layers),
     }
+    element = next(model.parameters()).element_size()
+    row["step_bytes"], row["dense_step_bytes"] = (
+        step_bytes(
+            model.cfg, len(prompts), args.prompt_len, args.new_tokens, max_len, args.attention, n, element
+        )
+        for n in (row["sparse_layers"], 0)
+    )
+    row["tb_s"] = row["step_bytes"] / (row["step_ms"] * 1e-3) / 1e12
     if args.profile:
         row["profile"] = profile_steps(model, decoder, prompts, args)
     del decoder
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, best.tokens
+
+
+def step_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    cache_len: int,
+    attention: str,
+    sparse_layers: int,
+    element: int = 2,
+) -> int:
+    """Bytes one decode step reads at the least, averaged over the new_tokens - 1 steps after the prefill:
+    every weight read once (the tied head too; embedding rows and norms are negligible), w_up and w_down
+    only in the n_layers - sparse_layers dense FFNs (a TwELL layer's floor: its gate alone), and the KV
+    cache: every one of cache_len slots a row under "sdpa" (its mask hides the unused ones from the
+    result, not from the read), the row's own positions under "flash_decode" (prompt_len + i at step i)."""
+    d, kv_width = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    attn = 2 * d * d + 2 * d * kv_width  # q and o, k and v
+    ffn_gate, ffn_up_down = cfg.d_ff * d, 2 * cfg.d_ff * d
+    weights = (
+        cfg.n_layers * (attn + ffn_gate) + (cfg.n_layers - sparse_layers) * ffn_up_down + cfg.vocab_size * d
+    )
+    if attention == "flash_decode":
+        slots = prompt_len + new_tokens / 2  # mean of prompt_len + i over steps i = 1 .. new_tokens - 1
+    else:
+        slots = cache_len
+    cache = cfg.n_layers * batch * slots * 2 * kv_width
+    return int((weights + cache) * element)
 
 
 PROFILE_STEPS = 20
@@ -185,7 +229,7 @@ def agreement(
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'model':>6} {'ffn':>6} {'batch':>5} {'TTFT ms':>9} {'x':>5} {'decode tok/s':>12} {'x dense':>7} "
-        f"{'step ms':>8} {'equal rows':>10} {'ties':>5}"
+        f"{'step ms':>8} {'GB/step':>8} {'TB/s':>5} {'ceiling':>7} {'equal rows':>10} {'ties':>5}"
     )
     lines = [head]
     for r in rows:
@@ -193,10 +237,17 @@ def format_table(rows: list[dict]) -> str:
             "-" if r.get("agreement") is None else f"{r['agreement']['rows_equal']}/{r['agreement']['rows']}"
         )
         ties = "-" if r.get("agreement") is None else str(r["agreement"]["ties"])
+        ceiling = r["dense_step_bytes"] / r["step_bytes"]
         lines.append(
             f"{r['model']:>6} {r['impl']:>6} {r['batch']:>5} {r['ttft_ms']:>9.2f} {r['ttft_vs_dense']:>5.2f} "
-            f"{r['decode_tok_s']:>12.1f} {r['x_dense']:>7.3f} {r['step_ms']:>8.3f} {equal:>10} {ties:>5}"
+            f"{r['decode_tok_s']:>12.1f} {r['x_dense']:>7.3f} {r['step_ms']:>8.3f} {r['step_bytes'] / 1e9:>8.3f} "
+            f"{r['tb_s']:>5.2f} {ceiling:>6.2f}x {equal:>10} {ties:>5}"
         )
+    lines.append(
+        "GB/step: the least a decode step reads (weights once, TwELL layers' gate only, the KV cache as the "
+        "attention reads it); TB/s: that over the step time; ceiling: dense's bytes over these, the most the "
+        "row can gain at dense's bandwidth"
+    )
     return "\n".join(lines)
 
 

@@ -57,7 +57,7 @@ CONFIG_NAME = "config.yaml"
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns that it assumes a single process when there is no process group: that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
@@ -123,7 +123,7 @@ class Checkpointer:
         barrier()
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer_state}, checkpoint_id=str(tmp))
         torch.save(rank_state, tmp / f"rank_{self.info.rank:05d}.pt")
         if self.info.is_main and self.run_config is not None:  # listed and CRC-checked like the rest
@@ -197,7 +197,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.check_model_fits(path, model_sd)
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return state["trainer"], self._load_rank_state(path, manifest["world_size"])
@@ -220,7 +220,7 @@ class Checkpointer:
     def check_model_fits(self, path: Path, model_sd: dict) -> None:
         """Raise ModelMismatchError when the checkpoint's model tensors differ from the model's in
         names or shapes, naming the model config fields that differ (from the checkpoint's config.yaml)."""
-        with _quiet_single_process():
+        with quiet_single_process():
             metadata = dcp.FileSystemReader(str(path)).read_metadata()
         saved = {
             key.removeprefix("model."): tuple(meta.size)

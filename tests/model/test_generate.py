@@ -384,9 +384,34 @@ def test_bench_generate_quick_writes_table_json_and_png(tmp_path):
         )
     for row in rows[2:]:  # fp32: the TwELL kernels give dense's greedy tokens
         assert row["agreement"]["rows_equal"] == row["agreement"]["rows"] == row["batch"]
+    for dense, sparse in zip(rows[:2], rows[2:]):  # the bytes floor: TwELL skips w_up / w_down
+        assert dense["sparse_layers"] == 0 and sparse["sparse_layers"] == 1
+        assert dense["step_bytes"] == dense["dense_step_bytes"] == sparse["dense_step_bytes"]
+        assert sparse["step_bytes"] == dense["step_bytes"] - 2 * 128 * 64 * 4  # d_ff x d_model x 2, fp32
+        assert sparse["tb_s"] == pytest.approx(sparse["step_bytes"] / (sparse["step_ms"] * 1e-3) / 1e12)
     doc = json.loads((tmp_path / "bench_generate.json").read_text())
     assert doc["rows"] == rows and doc["calibration"]["tiny"]["tokens"] == 2 * 8
     assert (tmp_path / "bench_generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_generate_step_bytes_counts_weights_once_and_the_cache_as_attention_reads_it():
+    import bench_generate  # scripts/
+
+    cfg = ModelConfig.preset("1.5b")  # 28 layers, d 2048, 32 of 32 KV heads, d_ff 5632, vocab 49152
+    d, f, layers = 2048, 5632, 28
+    weights = layers * (4 * d * d + 3 * f * d) + 49152 * d
+    slot = 2 * d  # k and v of one position, one layer
+    sdpa = bench_generate.step_bytes(cfg, 8, 512, 256, 768, "sdpa", sparse_layers=0)
+    assert sdpa == 2 * (weights + layers * 8 * 768 * slot)
+    flash = bench_generate.step_bytes(cfg, 8, 512, 256, 768, "flash_decode", sparse_layers=0)
+    assert flash == 2 * (weights + layers * 8 * (512 + 128) * slot)  # each row up to its own position
+    sparse = bench_generate.step_bytes(cfg, 8, 512, 256, 768, "sdpa", sparse_layers=layers)
+    assert sparse == sdpa - 2 * layers * 2 * f * d  # a TwELL layer's floor: no w_up / w_down row
+    # at batch 64 the cache outweighs the weights: the most TwELL can gain is 1.10x (1.099)
+    big = [bench_generate.step_bytes(cfg, 64, 512, 256, 768, "sdpa", n) for n in (0, layers)]
+    assert 1.05 < big[0] / big[1] < 1.1
+    gqa = ModelConfig.preset("1.5b", n_kv_heads=8)
+    assert bench_generate.step_bytes(gqa, 1, 512, 256, 768, "sdpa", 0) < sdpa
 
 
 def test_bench_generate_agreement_finds_the_first_difference_and_its_logit_gap():

@@ -159,6 +159,25 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def split_events(events) -> tuple[list, list]:
+    """(kernels, phases) as summarize() takes them, from a profiler's events: every GPU activity (kernels,
+    copies, fills) but the GPU-side copies of record_function ranges ("gpu_user_annotation": the phases'
+    and the optimizer's ranges seen on the GPU's timeline, which span the kernels launched inside them,
+    gaps included), and the host's "twell/<phase>" ranges."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+    ]
+    phases = [
+        (e.name[len(PHASE_PREFIX) :], e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == cpu and e.name.startswith(PHASE_PREFIX)
+    ]
+    return kernels, phases
+
+
 class StepProfiler:
     """Profiles the optimizer steps after step `at` (see the module doc). Call `before_step(step)` before
     each step and `after_step(step)` after it; it starts and stops itself. `at` 0 (or less): off."""
@@ -209,17 +228,7 @@ class StepProfiler:
         wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        events = prof.events()
-        kernels = [
-            (e.name, e.time_range.start, e.time_range.end)
-            for e in events
-            if e.device_type == torch.autograd.DeviceType.CUDA
-        ]
-        phases = [
-            (e.name[len(PHASE_PREFIX) :], e.time_range.start, e.time_range.end)
-            for e in events
-            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(PHASE_PREFIX)
-        ]
+        kernels, phases = split_events(prof.events())
         summary = summarize(kernels, wall, steps, phases)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"{self.prefix}step_{self.at}"

@@ -232,10 +232,10 @@ class Trainer:
         tcfg = job.train
         if tcfg.cuda_graph:  # before anything is built: the set-ups a capture cannot hold are refused
             check_cuda_graph_support(self.device, info.world_size, tcfg.parallel)
-        if job.sparsity.reinit_kernel and self.device.type != "cuda" and not interpreting():
+        if job.sparsity.reinit_kernel == "true" and self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"sparsity.reinit_kernel=true runs a Triton kernel, which needs a CUDA device (this run trains "
-                f"on {self.device.type}); set sparsity.reinit_kernel=false"
+                f"on {self.device.type}); set sparsity.reinit_kernel=auto (PyTorch's draw off a GPU) or false"
             )
         self.grad_accum = tcfg.grad_accum(info.world_size)
         self.precision = resolve_precision(tcfg.precision, self.device)
@@ -579,7 +579,7 @@ class Trainer:
                 scfg.reinit_lambda,
                 scfg.reinit_sigma,
                 self.optimizer if scfg.reset_optimizer_moments else None,
-                kernel=scfg.reinit_kernel,
+                kernel=scfg.reinit_by_kernel(self.device.type == "cuda"),
             )
         if self.job.model.ffn_impl == "auto" and self.step % self.job.model.twell_check_interval == 0:
             self.model.update_ffn_routing(self.tracker.route_mean(), self.twell_threshold)

@@ -51,13 +51,25 @@ def test_paper_experiments_launch_the_fast_path(size):
     assert job.model.ffn_impl == "auto"
     assert (job.train.compile, job.train.activation_checkpointing) == ("auto", "auto")
     assert job.sparsity.dead_window_tokens == 1_048_576  # one paper step, whatever ours is
+    # dead rows re-drawn by the Triton kernel on a GPU, by PyTorch elsewhere
+    assert job.sparsity.reinit_kernel == "auto"
+    assert job.sparsity.reinit_by_kernel(on_gpu=True) and not job.sparsity.reinit_by_kernel(on_gpu=False)
     assert compose_job([f"experiment=paper_{size}", "model.ffn_impl=dense"]).model.ffn_impl == "dense"
 
 
 @pytest.mark.parametrize("given, stored", [("true", "true"), ("False", "false"), ("AUTO", "auto")])
 def test_compile_and_checkpointing_take_auto_true_false_in_any_case(given, stored):
-    job = compose_job([f"train.compile={given}", f"train.activation_checkpointing={given}"])
+    job = compose_job(
+        [
+            f"train.compile={given}",
+            f"train.activation_checkpointing={given}",
+            f"sparsity.reinit_kernel={given}",
+        ]
+    )
     assert (job.train.compile, job.train.activation_checkpointing) == (stored, stored)
+    assert job.sparsity.reinit_kernel == stored
+    assert job.sparsity.reinit_by_kernel(on_gpu=False) == (stored == "true")
+    assert job.sparsity.reinit_by_kernel(on_gpu=True) == (stored != "false")
 
 
 def test_unknown_preset_names_the_choices():
@@ -77,6 +89,7 @@ def test_unknown_preset_names_the_choices():
         ("train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
         ("logging.wandb_mode=maybe", "logging.wandb_mode='maybe'"),
         ("sparsity.reinit_lambda=2", "reinit_lambda=2"),
+        ("sparsity.reinit_kernel=maybe", "sparsity.reinit_kernel='maybe' must be auto, true or false"),
         ("train.parallel=zero", "train.parallel='zero' is not one of \\('ddp', 'fsdp'\\)"),
         ("train.no_such_key=1", "no_such_key"),
         ("train.compile=sometimes", "train.compile='sometimes' must be auto, true or false"),

@@ -90,8 +90,9 @@ def test_resume_gives_bit_identical_losses(reference_run, tmp_path):
 
 def test_reinit_kernel_trains_and_redraws_the_dead_rows(reference_run, tmp_path, monkeypatch):
     """sparsity.reinit_kernel=true: the dead rows are re-drawn by kernels/reinit.py (Triton's interpreter
-    here): the same steps as the reference until its first re-init (same dead units, other noise after
-    it), re-inits counted as before, a finite loss; refused where no kernel can run."""
+    here) where the reference (auto on a CPU: PyTorch's draw) draws the whole matrix: the same steps until
+    its first re-init (same dead units, other noise after it), re-inits counted as before, a finite loss;
+    true is refused where no kernel can run, auto is not."""
     overrides, _, ref_records = reference_run
     overrides = [o for o in overrides if not o.startswith(("run_dir=", "train.steps="))]
     got = run_job(
@@ -112,6 +113,8 @@ def test_reinit_kernel_trains_and_redraws_the_dead_rows(reference_run, tmp_path,
         train.build_trainer(
             compose_job([*overrides, f"run_dir={tmp_path / 'cpu'}", "sparsity.reinit_kernel=true"])
         )
+    auto = train.build_trainer(compose_job([*overrides, f"run_dir={tmp_path / 'auto'}"]))
+    assert auto.job.sparsity.reinit_kernel == "auto"
 
 
 def test_activation_checkpointing_resumes_a_plain_checkpoint_exactly(reference_run, tmp_path):

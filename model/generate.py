@@ -43,7 +43,9 @@ from twell.model.transformer import Transformer
 PREFILL_FFN = ("auto", "dense", "model")
 # How a one-token step attends (Decoder's attention): "sdpa", PyTorch's scaled_dot_product_attention over the
 # whole cache under a mask; "flash_decode", kernels/inference/decode_attention.py (the keys split over the
-# GPU's SMs, each row read only up to its own position).
+# GPU's SMs, each row read only up to its own position). sdpa is the default: on an H200 the 1.5b TwELL step
+# took 1.401 / 1.706 / 3.887 ms with it at batch 1 / 8 / 64 and 1.442 / 2.246 / 9.091 ms with flash_decode
+# (docs/RESULTS.md, generation, session (d) of 2026-12-05).
 DECODE_ATTENTION = ("sdpa", "flash_decode")
 DENSE_PREFILL_TOKENS = 16384
 CACHE_ROUND = 64  # a cache made by generate() holds a multiple of this many slots (capped at max_seq_len)

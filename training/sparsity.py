@@ -8,6 +8,7 @@ same dead units); the rest is reduced when the trainer reads metrics on the logg
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from twell.kernels.reinit import MAX_MOMENTS, philox_seed, reinit_rows_
 from twell.training.config import SparsityConfig
@@ -134,9 +135,10 @@ class ActivityTracker:
 
 
 def _owned_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of `full` (a tensor of param's global shape, the same on every rank) that this rank
-    holds of `param`: all of it for a plain tensor; for a DTensor (FSDP2 shards dim 0, the units)
-    the slice its placements give this rank, cut locally without communication."""
+    """The part of `full` (a tensor of param's global shape, or a per-row [d_ff] one where the placement
+    shards rows only; the same on every rank) that this rank holds of `param`: all of it for a plain
+    tensor; for a DTensor (FSDP2 shards dim 0, the units) the slice its placements give this rank, cut
+    locally without communication."""
     if not isinstance(param, DTensor):
         return full
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
@@ -194,20 +196,32 @@ def reinit_dead_gate_rows(
     return dead.sum(dim=1)
 
 
-def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) -> None:
-    """One layer's re-init through kernels/reinit.py on this rank's rows. A DTensor (FSDP2 shards the units,
-    dim 0) gets its rows' flags and global indices in one cut, without communication, of a [d_ff, 2]
-    tensor (not two cuts of [d_ff, d_model] views)."""
-    rows = None
-    if isinstance(weight, DTensor):
+# Per FSDP2-sharded gate weight: the global index of each of this rank's rows, fixed by the placement, so cut
+# once (the re-init kernel runs every step, on every layer).
+_shard_rows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _rows_of_shard(weight: DTensor) -> torch.Tensor:
+    rows = _shard_rows.get(weight)
+    if rows is None:
         if weight.to_local().shape[1] != weight.shape[1]:
             raise ValueError(
                 f"the re-init kernel needs whole gate rows on each rank (sharded on dim 0, the units); this "
                 f"weight is placed {weight.placements}; set sparsity.reinit_kernel=false"
             )
-        index = torch.arange(weight.shape[0], device=dead_rows.device)
-        flags, rows = _owned_part(weight, torch.stack([dead_rows.long(), index], dim=1)).unbind(1)
-        dead_rows = flags.bool()
+        index = torch.arange(weight.shape[0], device=weight.to_local().device)
+        rows = _shard_rows[weight] = _owned_part(weight, index).contiguous()
+    return rows
+
+
+def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) -> None:
+    """One layer's re-init through kernels/reinit.py on this rank's rows. A DTensor (FSDP2 shards the units,
+    dim 0) takes its rows' flags cut from the [d_ff] flags without communication, and their global indices
+    (_rows_of_shard)."""
+    rows = None
+    if isinstance(weight, DTensor):
+        rows = _rows_of_shard(weight)
+        dead_rows = _owned_part(weight, dead_rows)
     local_moments = [_local(m) for m in moments]
     reinit_rows_(
         _local(weight),
@@ -216,7 +230,7 @@ def _reinit_layer_kernel(weight, dead_rows, stream_seed, lam, sigma, moments) ->
         lam,
         sigma,
         tuple(local_moments[:MAX_MOMENTS]),
-        None if rows is None else rows.contiguous(),
+        rows,
     )
     for moment in local_moments[MAX_MOMENTS:]:
         moment.masked_fill_(dead_rows.unsqueeze(1), 0.0)

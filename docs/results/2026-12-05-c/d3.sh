@@ -9,7 +9,7 @@ echo "setup $(( $(date +%s) - t0 )) s"
 timeout 250 python3 scripts/bench_generate.py --models 1.5b --batch 1 8 64 --new-tokens 64 --repeats 2 \
   --out $OUT/generate > $OUT/bench_generate.txt 2>&1; echo "bench_generate rc $?"; tail -8 $OUT/bench_generate.txt
 echo "t $(( $(date +%s) - t0 )) s"
-common="experiment=paper_1.5b data=local train.global_batch_tokens=16384 train.micro_batch=8 train.seq_len=2048 sparsity.l1_coef=1e-3 logging.log_interval=10 eval.interval=0 checkpoint.interval=0 checkpoint.save_final=false optim.warmup_steps=20"
+common="experiment=paper_1.5b $RACE_16K"
 timeout 170 python3 train.py $common run_dir=/tmp/p15s run_name=p15s train.steps=74 logging.profile_at=70 > $OUT/prof_sparse_log.txt 2>&1; echo "sparse profile rc $?"
 grep -E "^step|memory estimate|warmed" $OUT/prof_sparse_log.txt | cut -c1-300 | tail -6
 grep -A24 "profile of steps" $OUT/prof_sparse_log.txt | head -30

@@ -15,7 +15,7 @@ timeout 170 python3 docs/results/2026-12-05-c/decode_tiles.py $OUT/decode_tiles.
   --variants dense:64:sdpa twell:64:sdpa twell:64:flash_decode twell:32:flash_decode > $OUT/decode_tiles.txt 2>&1
 echo "decode_tiles rc $?"; grep -E "batch|Error|error" $OUT/decode_tiles.txt | tail -6
 echo "t $(( $(date +%s) - t0 )) s"
-common="experiment=paper_1.5b data=local train.global_batch_tokens=16384 train.micro_batch=8 train.seq_len=2048 sparsity.l1_coef=1e-3 logging.log_interval=10 eval.interval=0 checkpoint.interval=0 checkpoint.save_final=false optim.warmup_steps=20"
+common="experiment=paper_1.5b $RACE_16K"
 left=$(( 575 - ($(date +%s) - t0) ))
 timeout $left python3 scripts/race.py --out /tmp/race15 --settle 50 -- $common train.steps=100 > $OUT/race15.txt 2>&1
 echo "race rc $? (limit $left s)"; tail -9 $OUT/race15.txt

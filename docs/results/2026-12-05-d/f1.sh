@@ -8,7 +8,7 @@ set -uo pipefail
 t0=$(date +%s)
 source docs/results/2026-12-05/common.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-common="experiment=paper_1.5b data=local train.global_batch_tokens=16384 train.micro_batch=8 train.seq_len=2048 sparsity.l1_coef=1e-3 logging.log_interval=10 eval.interval=0 checkpoint.interval=0 checkpoint.save_final=false optim.warmup_steps=20"
+common="experiment=paper_1.5b $RACE_16K"
 timeout 260 python3 scripts/race.py --out /tmp/race_f1 --settle 50 --variant deferred "train.twell_sizes=deferred" -- $common train.steps=100 > $OUT/race.txt 2>&1
 echo "race rc $?"; tail -9 $OUT/race.txt
 tar -czf $OUT/race.tgz -C /tmp race_f1 2>/dev/null

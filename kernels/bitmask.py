@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, interpreting, next_pow2
+from ._launch import fast
 
 
 @triton.jit
@@ -104,6 +105,9 @@ def _count_fires_kernel(bits_ptr, fires_ptr, M, W, ROWS: tl.constexpr, WB: tl.co
     tl.atomic_add(fires_ptr + cols, acc, mask=w_ok[:, None], sem="relaxed")
 
 
+_COUNT_FIRES = fast(_count_fires_kernel)
+
+
 def count_fires(bits: torch.Tensor) -> torch.Tensor:
     """int32 [F]: positives per column of the bitmask bits [M, F // 32]."""
     M, W = bits.shape
@@ -113,7 +117,7 @@ def count_fires(bits: torch.Tensor) -> torch.Tensor:
     # speed), but no more than 32 groups (the loop over groups is sequential).
     groups = 2 if interpreting() else max(1, min(32, cdiv(cdiv(M, _FIRE_GROUP) * cdiv(W, wb), 512)))
     rows = _FIRE_GROUP * groups
-    _count_fires_kernel[(cdiv(M, rows), cdiv(W, wb))](
+    _COUNT_FIRES[(cdiv(M, rows), cdiv(W, wb))](
         bits, fires, M, W, ROWS=rows, WB=wb, GROUP=_FIRE_GROUP, num_warps=2
     )
     return fires
@@ -153,6 +157,9 @@ def _select_hot_kernel(fires_ptr, hot_idx_ptr, hot_pos_ptr, hot_bits_ptr, F, K, 
     tl.store(hot_bits_ptr + ws, words.to(tl.int32, bitcast=True), mask=ws < (F + 31) // 32)
 
 
+_SELECT_HOT = fast(_select_hot_kernel)
+
+
 def select_hot_units(fires: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hot_idx int64 [K] ascending, hot_pos int32 [F], hot_bits int32 [ceil(F / 32)]) of the K largest
     counts in fires (int32 [F]); see _select_hot_kernel."""
@@ -162,5 +169,5 @@ def select_hot_units(fires: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.T
     hot_bits = torch.empty(cdiv(F, 32), dtype=torch.int32, device=fires.device)
     block_f = max(32, next_pow2(F))
     warps = 4 if interpreting() else min(16, max(4, block_f // 1024))
-    _select_hot_kernel[(1,)](fires, hot_idx, hot_pos, hot_bits, F, K, BLOCK_F=block_f, num_warps=warps)
+    _SELECT_HOT[(1,)](fires, hot_idx, hot_pos, hot_bits, F, K, BLOCK_F=block_f, num_warps=warps)
     return hot_idx, hot_pos, hot_bits

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import autotune, cdiv, dot_in_fp32, dot_precision, interpreting, next_pow2
+from ._launch import fast
 from .bitmask import _bit_or
 from .gate_compact import _compact_chunk, _off32
 
@@ -456,7 +457,9 @@ def launch_relu_bits_persistent(x, w, h, bits, config=None) -> None:
         )
         return
     if "k" not in _persistent_tuned:
-        _persistent_tuned["k"] = autotune(
-            configs=[_persistent_config(c) for c in PERSISTENT_CONFIGS], key=["M_BUCKET", "F", "D"]
-        )(_relu_bits_persistent_kernel)
+        _persistent_tuned["k"] = fast(
+            autotune(configs=[_persistent_config(c) for c in PERSISTENT_CONFIGS], key=["M_BUCKET", "F", "D"])(
+                _relu_bits_persistent_kernel
+            )
+        )
     _persistent_tuned["k"][grid](*descs, bits, M, F, min(next_pow2(M), 1 << 17), **common)

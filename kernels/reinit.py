@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from ._launch import fast
 
 ROWS_PER_PROGRAM = 4
 MAX_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq; further same-shape state is zeroed by the caller
@@ -60,6 +61,9 @@ def _reinit_rows_kernel(
                 tl.store(m2_ptr + offs, tl.zeros((ROWS, BLOCK_D), dtype=m2_ptr.dtype.element_ty), mask=ok)
 
 
+_REINIT_ROWS = fast(_reinit_rows_kernel)
+
+
 def philox_seed(seed: int, step: int, layer: int) -> int:
     """The noise stream of (run seed, optimizer step, layer), a non-negative 63-bit integer."""
     return ((seed * 1_000_003 + step) * 1_009 + layer) & ((1 << 63) - 1)
@@ -101,7 +105,7 @@ def reinit_rows_(
     if R == 0:
         return
     padded = (*moments, weight, weight)[:MAX_MOMENTS]  # unused pointers: never written (N_MOMENTS)
-    _reinit_rows_kernel[(triton.cdiv(R, ROWS_PER_PROGRAM),)](
+    _REINIT_ROWS[(triton.cdiv(R, ROWS_PER_PROGRAM),)](
         weight,
         *padded,
         dead.view(torch.uint8) if dead.dtype == torch.bool else dead,

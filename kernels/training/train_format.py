@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._common import autotune, interpreting, next_pow2
+from .._launch import fast
 from ..bitmask import _popc32, load_bit_words, select_hot_units
 from ..gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
@@ -162,6 +163,12 @@ _tuned_compact_csr = autotune(
 )(_compact_csr_kernel)
 
 
+_BITS_ROW_SCAN = fast(_bits_row_scan_kernel)
+
+
+_COMPACT_CSR = fast(_tuned_compact_csr)
+
+
 def hot_split(fires: torch.Tensor, K: int, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """The batch's K most-firing units (select_hot_units on the per-unit positive counts `fires`) as
     build_pattern's `hot` argument: (hot_idx int64 [K], (hot_pos, hot_bits, g_hot)), g_hot an
@@ -204,7 +211,7 @@ def build_pattern(
     w_pad = next_pow2(W)
     if M:
         rows_per = max(1, min(64, 4096 // w_pad))
-        _bits_row_scan_kernel[(triton.cdiv(M, rows_per),)](
+        _BITS_ROW_SCAN[(triton.cdiv(M, rows_per),)](
             bits, hot_bits, row_ptr, row_active, totals, M, W, HOT=hot is not None, ROWS=rows_per, W_PAD=w_pad,
         )  # fmt: skip
     else:
@@ -242,9 +249,7 @@ def build_pattern(
                 *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
             )
         else:
-            _tuned_compact_csr[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](
-                *args, **flags, DYNAMIC_LOOPS=True
-            )
+            _COMPACT_CSR[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](*args, **flags, DYNAMIC_LOOPS=True)
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)
 
 
@@ -266,6 +271,9 @@ def _permute_kernel(
 _units_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+_PERMUTE = fast(_permute_kernel)
+
+
 def to_csc(
     rows: torch.Tensor,
     cols: torch.Tensor,
@@ -284,7 +292,7 @@ def to_csc(
     out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
     if n:
         block = 1024
-        _permute_kernel[(triton.cdiv(n, block),)](
+        _PERMUTE[(triton.cdiv(n, block),)](
             order, rows, cols, *coefs, out_rows, out_cols, *out, n, BLOCK=block, num_warps=4
         )
     key = (n_cols, device)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .._common import interpreting, next_pow2
+from .._launch import fast
 
 
 @triton.jit
@@ -31,13 +32,16 @@ def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, K: tl.constexpr, BLOCK_K: t
     tl.store(l1_ptr + row, tl.sum(acc_l1, axis=0))
 
 
+_HOT_FORWARD = fast(_hot_forward_kernel)
+
+
 def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M])."""
     M, K = g_hot.shape
     h = torch.empty_like(g_hot)
     l1_rows = torch.empty(M, dtype=torch.float32, device=g_hot.device)
     block = min(1024, next_pow2(K)) if not interpreting() else min(64, next_pow2(K))
-    _hot_forward_kernel[(M,)](g_hot, u_hot, h, l1_rows, K=K, BLOCK_K=block, num_warps=4)
+    _HOT_FORWARD[(M,)](g_hot, u_hot, h, l1_rows, K=K, BLOCK_K=block, num_warps=4)
     return h, l1_rows
 
 
@@ -61,6 +65,9 @@ def _hot_backward_kernel(dhd_ptr, g_ptr, u_ptr, l1_ptr, M, dgu_ptr, h_ptr, n, K:
     tl.store(h_ptr + offs, h, mask=ok)
 
 
+_HOT_BACKWARD = fast(_hot_backward_kernel)
+
+
 def hot_backward(
     dh_dense: torch.Tensor, g_hot: torch.Tensor, u_hot: torch.Tensor, grad_l1: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +80,7 @@ def hot_backward(
     h = torch.empty_like(g_hot)
     n = g_hot.numel()
     block = 1024 if not interpreting() else 256
-    _hot_backward_kernel[(triton.cdiv(n, block),)](
+    _HOT_BACKWARD[(triton.cdiv(n, block),)](
         dh_dense, g_hot, u_hot, grad_l1.reshape(1), M, d_gu, h, n, K=K, BLOCK=block, num_warps=4
     )
     return d_gu, h
@@ -92,6 +99,9 @@ def _scatter_hot_rows_kernel(idx_ptr, gu_ptr, d_ptr, out_g_ptr, out_u_ptr, out_d
     tl.store(out_d_ptr + dst, tl.load(d_ptr + src, mask=ok), mask=ok)
 
 
+_SCATTER_HOT_ROWS = fast(_scatter_hot_rows_kernel)
+
+
 def scatter_hot_rows(
     hot_idx: torch.Tensor, dw_gu: torch.Tensor, dw_down_hot: torch.Tensor, dw_gate: torch.Tensor,
     dw_up: torch.Tensor, dw_down: torch.Tensor,
@@ -100,6 +110,6 @@ def scatter_hot_rows(
     units' weight-gradient rows in one launch (three index_copy_ otherwise). All contiguous, one dtype."""
     K, D = dw_down_hot.shape
     block = min(1024, next_pow2(D)) if not interpreting() else min(64, next_pow2(D))
-    _scatter_hot_rows_kernel[(K, triton.cdiv(D, block))](
+    _SCATTER_HOT_ROWS[(K, triton.cdiv(D, block))](
         hot_idx, dw_gu, dw_down_hot, dw_gate, dw_up, dw_down, K, D=D, BLOCK=block, num_warps=4
     )

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._common import interpreting, next_pow2
+from .._launch import fast
 from .train_sparse import _tuned
 
 LONG_ROW = 64  # a row with more CSR entries than this goes to a long-row program
@@ -67,6 +68,9 @@ def _long_rows_kernel(
     list_long_rows(rows, ok, start, end, count_ptr, list_ptr, slot_ptr, M, LONG_ROW)
 
 
+_LONG_ROWS = fast(_long_rows_kernel)
+
+
 def empty_long_rows(M: int, device, count: torch.Tensor | None = None) -> LongRows:
     """An empty list for M rows at the current LONG_ROW; `count` (int32 [1], zero) lets a caller fold
     its memset into another."""
@@ -82,7 +86,7 @@ def long_rows(row_ptr: torch.Tensor) -> LongRows:
     out = empty_long_rows(M, row_ptr.device)
     if M:
         block = 1024
-        _long_rows_kernel[(triton.cdiv(M, block),)](
+        _LONG_ROWS[(triton.cdiv(M, block),)](
             row_ptr, out.count, out.rows, out.slots, M, LONG_ROW=out.limit, BLOCK=block, num_warps=4
         )
     return out
@@ -255,6 +259,9 @@ def _long(row_ptr: torch.Tensor, given: LongRows | None) -> tuple[tuple[torch.Te
     return (long.count, long.rows, long.slots), long_programs(row_ptr.device), long.limit
 
 
+_ROW_FWD = fast(_launch)
+
+
 def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
     w_down: torch.Tensor, init: torch.Tensor | None = None, l1_init: torch.Tensor | None = None,
@@ -273,7 +280,7 @@ def row_ffn_forward(
     y = torch.empty_like(x)
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
     long_args, n_long, threshold = _long(row_ptr, long)
-    _launch[(n_long + M,)](
+    _ROW_FWD[(n_long + M,)](
         row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
         l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), *long_args, n_long,
         HAS_L1_INIT=l1_init is not None, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(),
@@ -298,7 +305,7 @@ def row_ffn_inference(
     if M == 0:
         return y
     long_args, n_long, threshold = _long(row_ptr, long)
-    _launch[(n_long + M,)](
+    _ROW_FWD[(n_long + M,)](
         row_ptr, cols, gate, x, w_up, w_down, y, y, init if init is not None else y, y, y, h,
         hot_pos if hot_pos is not None else row_ptr, cols.numel(), *long_args, n_long,
         HAS_L1_INIT=False, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), HAS_INIT=init is not None,
@@ -358,6 +365,9 @@ def _row_dx_step(e0, end, acc, cols_ptr, dg_ptr, du_ptr, wg_ptr, wu_ptr, ds, d_o
 _launch_dx = _tuned(_configs(), key=["D"])(_row_dx_kernel)
 
 
+_ROW_DX = fast(_launch_dx)
+
+
 def row_dx(
     row_ptr: torch.Tensor, cols: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
     w_up: torch.Tensor, dx: torch.Tensor, long: LongRows | None = None,
@@ -369,7 +379,7 @@ def row_dx(
     if M == 0:
         return
     long_args, n_long, threshold = _long(row_ptr, long)
-    _launch_dx[(n_long + M,)](
+    _ROW_DX[(n_long + M,)](
         row_ptr, cols, d_gate, d_up, w_gate, w_up, dx, *long_args, n_long, D=D,
         BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(), LONG_ROW=threshold,
     )  # fmt: skip

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._common import autotune, interpreting
+from .._launch import fast
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
 ONE = 0  # out0 = sum c0 * src0[g]                              (dW_down alone)
@@ -89,6 +90,9 @@ def _entry_grads_kernel(
     tl.store(h_ptr + offs_e, h, mask=stored)
 
 
+_ENTRY_GRADS = fast(_entry_grads_kernel)
+
+
 def entry_grads(
     rows: torch.Tensor, cols: torch.Tensor, dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
     up: torch.Tensor, grad_l1: torch.Tensor, M: int,
@@ -101,7 +105,7 @@ def entry_grads(
     d_gate, d_up, h = torch.empty(3, nnz, device=dy.device, dtype=torch.float32).unbind()  # one allocation
     if nnz:
         grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
-        _entry_grads_kernel[grid](
+        _ENTRY_GRADS[grid](
             rows, cols, dy, w_down, d_gate, nnz, dy.stride(0), w_down.stride(0), gate, up,
             grad_l1.reshape(1), M, d_up, h, D=D,
         )  # fmt: skip
@@ -278,6 +282,9 @@ def _work_list_kernel(
 WORK_LIST_MAX_SEGMENTS = 32768
 
 
+_WORK_LIST = fast(_work_list_kernel)
+
+
 def _work_list(seg_ptr: torch.Tensor, n_seg: int, chunk: int, max_items: int, max_split: int):
     """(item_ptr [n_seg + 1], part_ptr [n_seg + 1], item_seg [max_items], split [max_split + 1]) int32;
     see _work_list_kernel (split[j] for j past the count is unspecified)."""
@@ -289,7 +296,7 @@ def _work_list(seg_ptr: torch.Tensor, n_seg: int, chunk: int, max_items: int, ma
         item_seg = torch.full((max_items,), n_seg, device=device, dtype=torch.int32)
         block = max(16, triton.next_power_of_2(n_seg))
         warps = 4 if interpreting() else min(16, max(4, block // 1024))
-        _work_list_kernel[(1,)](
+        _WORK_LIST[(1,)](
             seg_ptr, item_ptr, part_ptr, item_seg, split, n_seg, max_split, CHUNK=chunk, BLOCK=block,
             WHILE_LOOP=interpreting(), num_warps=warps,
         )  # fmt: skip
@@ -357,6 +364,12 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_SEGMENT_AXPY = fast(_segment_axpy_kernel)
+
+
+_SUM_PARTIALS = fast(_sum_partials_kernel)
+
+
 def segment_axpy(
     seg_ptr: torch.Tensor,
     gidx: torch.Tensor,
@@ -395,7 +408,7 @@ def segment_axpy(
     p = tuple(parts[min(i, len(outs) - 1)] for i in range(3))
 
     grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
-    _segment_axpy_kernel[grid](
+    _SEGMENT_AXPY[grid](
         seg_ptr, item_seg, item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
         o[0], o[1], o[2], p[0], p[1], p[2], n_seg, s[0].stride(0), s[1].stride(0), o[0].stride(0),
         _length_bucket(nnz, n_seg), D=D, CHUNK=chunk, MODE=mode, WHILE_LOOP=interpreting(),
@@ -403,7 +416,7 @@ def segment_axpy(
     if max_parts:
         # One program per possible split segment (<= nnz / chunk), not per segment: at d_ff 5632 that
         # was ~135k programs, nearly all with nothing to add (83 us at 16k tokens on an H200).
-        _sum_partials_kernel[(max_split, triton.cdiv(D, 256), len(outs))](
+        _SUM_PARTIALS[(max_split, triton.cdiv(D, 256), len(outs))](
             split, max_split, item_ptr, part_ptr, parts, o[0], o[1], o[2], o[0].stride(0), parts.stride(0),
             D=D, WHILE_LOOP=interpreting(), BLOCK_D=256,
         )  # fmt: skip

@@ -5,7 +5,8 @@
 Every timed call is issued while the GPU runs a long sleep kernel queued before it, so the host never waits
 for the GPU and what is timed is the host's issue time alone (sizes: deferred, nothing is read back). Rows:
 (1) the op's forward and backward at 16,384 x 2048 x 5632 bf16 (paper-like inputs, hot units on), with the
-forward's host time split by the functions `_forward` calls (timing wrappers, ~0.3 us each); (2) a 4-layer
+forward's host time split by the functions `_forward` calls (timing wrappers, ~0.3 us each); Each twice: launches through Triton's front end, then through the
+kept compiled kernels (kernels/_launch.py). (2) a 4-layer
 model of the 1.5b width, blocks compiled as the trainer compiles them, under bf16 autocast: host time of
 its forward and backward, dense FFNs against TwELL, per layer.
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 import twell.kernels.training.train as T
+from twell.kernels._launch import set_fast_launch
 from twell.kernels.synthetic import paper_like_ffn_inputs
 
 SLEEP = int(4e8)  # ~0.2 s of GPU time at ~1.98 GHz: longer than any host stretch timed below
@@ -79,6 +81,8 @@ def op_rows(reps: int = 15) -> dict:
 
 
 def model_rows(reps: int = 8, layers: int = 4) -> dict:
+    """Host ms of the 4-layer model's forward and backward, dense and TwELL FFNs, each with launches
+    through Triton's front end and through the kept kernels."""
     from twell.model.config import ModelConfig
     from twell.model.transformer import Transformer
     from twell.training.trainer import apply_block_wrappers
@@ -90,35 +94,77 @@ def model_rows(reps: int = 8, layers: int = 4) -> dict:
         model = Transformer(cfg).cuda()
         apply_block_wrappers(model, activation_checkpointing=False, compile_blocks=True)
         tokens = torch.randint(0, cfg.vocab_size, (8, 2048), device="cuda")
-        fwd, bwd = [], []
-        for i in range(reps + 3):
-            with T.deferred_sizes() as sizes:
-                busy()
-                t0 = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model(tokens)
-                    loss = out.logits.float().mean() + out.l1
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                sizes.settle()
-            model.zero_grad(set_to_none=True)
-            if i >= 3:
-                fwd.append((t1 - t0) * 1e3)
-                bwd.append((t2 - t1) * 1e3)
-        res[impl] = {"fwd_host_ms": statistics.median(fwd), "bwd_host_ms": statistics.median(bwd)}
+        for fast in (False, True):
+            set_fast_launch(fast)
+            fwd, bwd = [], []
+            for i in range(reps + 3):
+                with T.deferred_sizes() as sizes:
+                    busy()
+                    t0 = time.perf_counter()
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        out = model(tokens)
+                        loss = out.logits.float().mean() + out.l1
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    sizes.settle()
+                model.zero_grad(set_to_none=True)
+                if i >= 3:
+                    fwd.append((t1 - t0) * 1e3)
+                    bwd.append((t2 - t1) * 1e3)
+            res[f"{impl}_fast{int(fast)}"] = {
+                "fwd_host_ms": statistics.median(fwd), "bwd_host_ms": statistics.median(bwd),
+            }  # fmt: skip
+            print(impl, fast, res[f"{impl}_fast{int(fast)}"], flush=True)
         del model
         torch.cuda.empty_cache()
-    res["twell_minus_dense_fwd_ms_per_layer"] = (res["twell"]["fwd_host_ms"] - res["dense"]["fwd_host_ms"]) / layers
-    res["twell_minus_dense_bwd_ms_per_layer"] = (res["twell"]["bwd_host_ms"] - res["dense"]["bwd_host_ms"]) / layers
+    return res
+
+
+def launch_rows(reps: int = 3000) -> dict:
+    """Host us a launch of a 3-argument copy kernel: plain, autotuned (one config), each through Triton's
+    front end and through fast()."""
+    import triton
+    import triton.language as tl
+
+    from twell.kernels._launch import fast
+
+    @triton.jit
+    def copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    tuned = triton.autotune([triton.Config({"BLOCK": 256}, num_warps=4)], key=["n"])(triton.jit(copy.fn))
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    calls = {
+        "jit[grid]": lambda: copy[(16,)](x, y, 4096, BLOCK=256),
+        "fast(jit)[grid]": (lambda k: lambda: k[(16,)](x, y, 4096, BLOCK=256))(fast(copy)),
+        "autotune[grid]": lambda: tuned[(16,)](x, y, 4096),
+        "fast(autotune)[grid]": (lambda k: lambda: k[(16,)](x, y, 4096))(fast(tuned)),
+    }
+    res = {}
+    set_fast_launch(True)
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        res[name] = (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize()
     return res
 
 
 def main() -> None:
-    res = {"op": op_rows()}
+    res = {"launch_us": launch_rows()}
     print(json.dumps(res, indent=1), flush=True)
+    for fast in (False, True):  # Triton's front end, then the kept compiled kernels (kernels/_launch.py)
+        set_fast_launch(fast)
+        res[f"op_fast{int(fast)}"] = op_rows()
+        print(f"fast launch {fast}:", json.dumps(res[f"op_fast{int(fast)}"], indent=1), flush=True)
     res["model"] = model_rows()
-    print(json.dumps(res["model"], indent=1))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(res, f, indent=1)

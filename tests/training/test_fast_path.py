@@ -84,6 +84,13 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     assert result["speedup"] == pytest.approx(
         result["sparse"]["steady_tokens_per_s"] / result["dense"]["steady_tokens_per_s"]
     )
+    # The switch windows against the slower path's steady speed (the dense twin's), beside the own steady.
+    # Four steps: no window after step 20, so the windows after the settle (step 2) are the late ones.
+    slowest = min(r["tokens_per_s"] for r in sparse if r["step"] > 2)
+    assert result["sparse"]["slowest_window_tokens_per_s"] == slowest
+    assert result["sparse"]["slowest_window_vs_dense"] == pytest.approx(
+        slowest / result["dense"]["steady_tokens_per_s"]
+    )
     assert sparse[-1]["seconds"] > sparse[0]["seconds"] > 0
     assert "sparse / dense steady speed" in (tmp_path / "race" / "race.md").read_text()
     assert (tmp_path / "race" / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

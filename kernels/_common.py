@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 
@@ -50,10 +51,22 @@ def check_hot_prefix(p, F: int, name: str = "hot_prefix") -> int:
     return value
 
 
+@functools.cache
+def device_major(device: torch.device) -> int:
+    """The CUDA device's compute capability major (kept: asked on every launch of the gate GEMM)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count (kept: asked on every launch of the persistent kernels)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can carry these tensors: Hopper or later (the interpreter emulates them)
     and 16-byte aligned bases and row strides."""
-    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpreting() and device_major(tensors[0].device) < 9:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 

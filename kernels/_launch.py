@@ -46,6 +46,14 @@ def fast_launch_enabled() -> bool:
     return _enabled["on"] and not interpreting()
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: None, or an empty HookChain (Triton 3.6: never None), is none."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
+
+
 class _Unkeyable(Exception):
     """An argument whose specialization this module does not model: the call takes Triton's path."""
 
@@ -133,7 +141,12 @@ class FastKernel:
         return tuple(parts)
 
     def run(self, grid, args, kwargs):
-        if not fast_launch_enabled() or triton.knobs.runtime.launch_enter_hook is not None:
+        runtime = triton.knobs.runtime
+        if (
+            not fast_launch_enabled()
+            or _hooked(runtime.launch_enter_hook)
+            or _hooked(runtime.launch_exit_hook)
+        ):
             return self.kernel[grid](*args, **kwargs)
         if not self._ready:
             self._prepare()

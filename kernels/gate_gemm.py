@@ -20,7 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, cdiv, dot_in_fp32, dot_precision, interpreting, next_pow2
+from ._common import (
+    autotune,
+    cdiv,
+    device_major,
+    dot_in_fp32,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    sm_count,
+)
 from ._launch import fast
 from .bitmask import _bit_or
 from .gate_compact import _compact_chunk, _off32
@@ -269,7 +278,7 @@ def _tma_loads(x: torch.Tensor) -> bool:
     tests cover the production mainloop."""
     loads = _variant["loads"]
     if loads is None:
-        return interpreting() or torch.cuda.get_device_capability(x.device)[0] >= 9
+        return interpreting() or device_major(x.device) >= 9
     return loads == "tma"
 
 
@@ -440,7 +449,7 @@ def launch_relu_bits_persistent(x, w, h, bits, config=None) -> None:
             PRECISION=dot_precision(x.dtype),
         )  # fmt: skip
         return
-    n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count
+    n_sm = sm_count(x.device)
     descs = [TensorDescriptor.from_tensor(t, [64, 64]) for t in (x, w, h)]  # blocks set per config
     common = dict(
         D=D, GROUP_M=8, NUM_PROGS=n_sm, WHILE_LOOP=False, DOT_FP32=False, PRECISION=dot_precision(x.dtype)

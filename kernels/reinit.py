@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import cdiv, next_pow2
 from ._launch import fast
 
 ROWS_PER_PROGRAM = 4
@@ -105,7 +105,7 @@ def reinit_rows_(
     if R == 0:
         return
     padded = (*moments, weight, weight)[:MAX_MOMENTS]  # unused pointers: never written (N_MOMENTS)
-    _REINIT_ROWS[(triton.cdiv(R, ROWS_PER_PROGRAM),)](
+    _REINIT_ROWS[(cdiv(R, ROWS_PER_PROGRAM),)](
         weight,
         *padded,
         dead.view(torch.uint8) if dead.dtype == torch.bool else dead,

@@ -217,14 +217,14 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     hots = getattr(args, "hot_units", None) or [0]
     variants = getattr(args, "variants", None) or BACKWARD_VARIANTS
     sizes = getattr(args, "sizes", None) or ["estimate"]
-    streams = getattr(args, "streams", None) or ["on"]
+    streams = getattr(args, "streams", None) or ["auto"]
     modes = ["eager"] + (["compiled"] if getattr(args, "twell_compile", False) else [])
     impls += [
         (
             f"twell_{v}"
             + (f"_h{k}" if k else "")
             + ("" if z == "estimate" else f"_{z}")
-            + ("" if st == "on" else "_one_stream")
+            + {"auto": "", "on": "_two_streams", "off": "_one_stream"}[st]
             + ("" if c == "eager" else "_compiled"),
             _twell_y_l1 if c == "eager" else _compiled_twell(),
             v,
@@ -247,7 +247,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
                 set_backward_variant(variant)
                 set_hot_units(hot)
                 set_sizes("estimate" if size_mode == "deferred" else size_mode)
-                set_streams(stream_mode == "on")
+                set_streams({"auto": "auto", "on": True, "off": False}[stream_mode])
                 if size_mode == "deferred":
                     SETTLE[0] = row_scope.enter_context(deferred_sizes())
                     row_scope.callback(SETTLE.__setitem__, 0, None)
@@ -256,7 +256,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     set_backward_variant("auto")
     set_hot_units(None)
     set_sizes("estimate")
-    set_streams(True)
+    set_streams("auto")
 
     dense = rows[0]
     best_dense = min(r["fwd_bwd_ms"] for r in rows if r["impl"].startswith("dense"))
@@ -411,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time each step captured in one CUDA graph (dense eager and compiled, TwELL at static sizes)",
     )  # fmt: skip
     p.add_argument(
-        "--streams", nargs="*", choices=("on", "off"), default=["on"],
-        help="the hot units' GEMMs on a second CUDA stream (on, the default) or one stream (off: rows "
-        "named *_one_stream); both to compare them in one run",
+        "--streams", nargs="*", choices=("auto", "on", "off"), default=["auto"],
+        help="the hot units' GEMMs on a second CUDA stream only inside a CUDA graph capture (auto, the "
+        "default), always (on: rows named *_two_streams) or never (off: *_one_stream); several to compare",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")

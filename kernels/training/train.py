@@ -30,6 +30,7 @@ calls take a torch.autograd.Function over the same forward and backward (cheaper
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -75,7 +76,8 @@ SIZES = ("estimate", "exact", "static")
 DEFAULT_HEADROOM = 0.125
 MAX_HEADROOM = 2.0
 _settings = {
-    "backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM, "streams": True,
+    "backward": "auto", "hot_units": None, "sizes": "estimate", "headroom": DEFAULT_HEADROOM,
+    "streams": {"1": True, "0": False}.get(os.environ.get("TWELL_SIDE_STREAM", ""), "auto"),
 }  # fmt: skip
 # Per layer (keyed by its w_gate tensor, held weakly) and (tokens, hot units): the next call's capacity.
 _capacities: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -268,10 +270,16 @@ def set_hot_units(k: int | None) -> None:
     _settings["hot_units"] = None if k is None else int(k)
 
 
-def set_streams(on: bool) -> None:
+def set_streams(mode: bool | str) -> None:
     """Whether, on a GPU, the hot units' dense GEMMs run on a second CUDA stream beside the sparse
-    kernels (default on; off: one stream, the same kernels in the same order, bit-identical results)."""
-    _settings["streams"] = bool(on)
+    kernels: "auto" (the default) only while a CUDA graph is captured, True always, False never (one
+    stream, the same kernels in the same order, bit-identical results). Each fork and join costs the
+    host an event record and a wait (~0.1 ms a layer on the H100 host of session (e)), more than the
+    overlap saves the GPU (~0.1 ms a layer at 16k tokens, round 17) wherever the step is host-bound,
+    i.e. outside a graph; a graph replays the fork and join for free."""
+    if mode not in (True, False, "auto"):
+        raise ValueError(f"streams {mode!r} is unknown; choose True, False or 'auto'")
+    _settings["streams"] = mode
 
 
 # The second stream of each device (made on first use). The hot units' GEMMs (tensor cores) and the
@@ -284,8 +292,10 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(x: Tensor):
-    """The side stream of x's device, or None (CPU tensors, or streams turned off)."""
-    if not (_settings["streams"] and x.is_cuda):
+    """The side stream of x's device, or None (CPU tensors, streams turned off, or "auto" outside a
+    CUDA graph capture: see set_streams)."""
+    mode = _settings["streams"]
+    if not (mode and x.is_cuda) or (mode == "auto" and not torch.cuda.is_current_stream_capturing()):
         return None
     if x.device.index not in _side_streams:
         _side_streams[x.device.index] = torch.cuda.Stream(device=x.device)
@@ -546,15 +556,15 @@ class _EagerFFN(torch.autograd.Function):
     (dispatcher round trips, a generated autograd.Function, output aliasing checks): ~30 us less host
     time per step on a CPU box, more on the H200 hosts, where an eager step is host-bound (the forward's
     host time outside the kernels' wrappers: 290 us with the custom op, 245 us with this Function, two
-    nodes of NOTES_TRAIN round 11). torch.compile traces the custom ops."""
+    nodes of NOTES_TRAIN round 11). torch.compile traces the custom ops. The forward takes ctx itself
+    (no separate setup_context): Function.apply then binds no default arguments through
+    inspect.signature on every call."""
 
     @staticmethod
-    def forward(x, w_gate, w_up, w_down, key, hot_units):
-        return _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, x, w_gate, w_up, w_down, key, hot_units):
+        output = _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
+        _setup_context(ctx, (x, w_gate, w_up, w_down), output)
+        return output
 
     @staticmethod
     def backward(ctx, grad_y, grad_l1, *_unused):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import autotune, interpreting, next_pow2
+from .._common import autotune, cdiv, interpreting, next_pow2
 from .._launch import fast
 from ..bitmask import _popc32, load_bit_words, select_hot_units
 from ..gate_compact import _scatter_hot, _zero_rows
@@ -211,7 +211,7 @@ def build_pattern(
     w_pad = next_pow2(W)
     if M:
         rows_per = max(1, min(64, 4096 // w_pad))
-        _BITS_ROW_SCAN[(triton.cdiv(M, rows_per),)](
+        _BITS_ROW_SCAN[(cdiv(M, rows_per),)](
             bits, hot_bits, row_ptr, row_active, totals, M, W, HOT=hot is not None, ROWS=rows_per, W_PAD=w_pad,
         )  # fmt: skip
     else:
@@ -245,11 +245,9 @@ def build_pattern(
         flags = dict(HOT=hot is not None, W_PAD=w_pad, WRITE_ROWS=not inference, LONG_ROW=long.limit)
         flags["K_PAD"] = next_pow2(g_hot.shape[1]) if hot is not None else 1
         if interpreting():
-            _compact_csr_kernel[(triton.cdiv(M, 16),)](
-                *args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4
-            )
+            _compact_csr_kernel[(cdiv(M, 16),)](*args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4)
         else:
-            _COMPACT_CSR[lambda meta: (triton.cdiv(M, meta["ROWS"]),)](*args, **flags, DYNAMIC_LOOPS=True)
+            _COMPACT_CSR[lambda meta: (cdiv(M, meta["ROWS"]),)](*args, **flags, DYNAMIC_LOOPS=True)
     return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)
 
 
@@ -292,7 +290,7 @@ def to_csc(
     out = torch.empty(len(coefs), n, device=device, dtype=coefs[0].dtype).unbind()
     if n:
         block = 1024
-        _PERMUTE[(triton.cdiv(n, block),)](
+        _PERMUTE[(cdiv(n, block),)](
             order, rows, cols, *coefs, out_rows, out_cols, *out, n, BLOCK=block, num_warps=4
         )
     key = (n_cols, device)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import interpreting, next_pow2
+from .._common import cdiv, interpreting, next_pow2
 from .._launch import fast
 
 
@@ -80,7 +80,7 @@ def hot_backward(
     h = torch.empty_like(g_hot)
     n = g_hot.numel()
     block = 1024 if not interpreting() else 256
-    _HOT_BACKWARD[(triton.cdiv(n, block),)](
+    _HOT_BACKWARD[(cdiv(n, block),)](
         dh_dense, g_hot, u_hot, grad_l1.reshape(1), M, d_gu, h, n, K=K, BLOCK=block, num_warps=4
     )
     return d_gu, h
@@ -110,6 +110,6 @@ def scatter_hot_rows(
     units' weight-gradient rows in one launch (three index_copy_ otherwise). All contiguous, one dtype."""
     K, D = dw_down_hot.shape
     block = min(1024, next_pow2(D)) if not interpreting() else min(64, next_pow2(D))
-    _SCATTER_HOT_ROWS[(K, triton.cdiv(D, block))](
+    _SCATTER_HOT_ROWS[(K, cdiv(D, block))](
         hot_idx, dw_gu, dw_down_hot, dw_gate, dw_up, dw_down, K, D=D, BLOCK=block, num_warps=4
     )

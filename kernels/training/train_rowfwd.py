@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import interpreting, next_pow2
+from .._common import cdiv, interpreting, next_pow2
 from .._launch import fast
 from .train_sparse import _tuned
 
@@ -86,7 +86,7 @@ def long_rows(row_ptr: torch.Tensor) -> LongRows:
     out = empty_long_rows(M, row_ptr.device)
     if M:
         block = 1024
-        _LONG_ROWS[(triton.cdiv(M, block),)](
+        _LONG_ROWS[(cdiv(M, block),)](
             row_ptr, out.count, out.rows, out.slots, M, LONG_ROW=out.limit, BLOCK=block, num_warps=4
         )
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import autotune, interpreting
+from .._common import autotune, cdiv, interpreting
 from .._launch import fast
 
 # Segment modes (constexpr): which outputs one pass over the gathered rows produces.
@@ -104,7 +104,7 @@ def entry_grads(
     nnz, D = rows.numel(), dy.shape[1]
     d_gate, d_up, h = torch.empty(3, nnz, device=dy.device, dtype=torch.float32).unbind()  # one allocation
     if nnz:
-        grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_E"]),)
+        grid = lambda meta: (cdiv(nnz, meta["BLOCK_E"]),)
         _ENTRY_GRADS[grid](
             rows, cols, dy, w_down, d_gate, nnz, dy.stride(0), w_down.stride(0), gate, up,
             grad_l1.reshape(1), M, d_up, h, D=D,
@@ -407,7 +407,7 @@ def segment_axpy(
     parts = torch.empty((len(outs), max(max_parts, 1), D), device=device, dtype=torch.float32)
     p = tuple(parts[min(i, len(outs) - 1)] for i in range(3))
 
-    grid = lambda meta: (max_items, triton.cdiv(D, meta["BLOCK_D"]))
+    grid = lambda meta: (max_items, cdiv(D, meta["BLOCK_D"]))
     _SEGMENT_AXPY[grid](
         seg_ptr, item_seg, item_ptr, part_ptr, gidx, c[0], c[1], c[2], s[0], s[1],
         o[0], o[1], o[2], p[0], p[1], p[2], n_seg, s[0].stride(0), s[1].stride(0), o[0].stride(0),
@@ -416,7 +416,7 @@ def segment_axpy(
     if max_parts:
         # One program per possible split segment (<= nnz / chunk), not per segment: at d_ff 5632 that
         # was ~135k programs, nearly all with nothing to add (83 us at 16k tokens on an H200).
-        _SUM_PARTIALS[(max_split, triton.cdiv(D, 256), len(outs))](
+        _SUM_PARTIALS[(max_split, cdiv(D, 256), len(outs))](
             split, max_split, item_ptr, part_ptr, parts, o[0], o[1], o[2], o[0].stride(0), parts.stride(0),
             D=D, WHILE_LOOP=interpreting(), BLOCK_D=256,
         )  # fmt: skip

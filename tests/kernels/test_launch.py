@@ -142,3 +142,12 @@ def test_training_op_is_bit_identical_through_either_path():
         assert torch.equal(w, g)
     assert train_format._COMPACT_CSR._sites and train_rowfwd._ROW_FWD._sites
     assert _launch.fast_launch_enabled()
+
+
+def test_launch_hooks_set_by_a_profiler_send_calls_through_triton():
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert not _launch._hooked(None) and not _launch._hooked(chain)
+    chain.add(lambda metadata: None)
+    assert _launch._hooked(chain) and _launch._hooked(lambda metadata: None)

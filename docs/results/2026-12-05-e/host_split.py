@@ -5,8 +5,7 @@
 Every timed call is issued while the GPU runs a long sleep kernel queued before it, so the host never waits
 for the GPU and what is timed is the host's issue time alone (sizes: deferred, nothing is read back). Rows:
 (1) the op's forward and backward at 16,384 x 2048 x 5632 bf16 (paper-like inputs, hot units on), with the
-forward's host time split by the functions `_forward` calls (timing wrappers, ~0.3 us each); Each twice: launches through Triton's front end, then through the
-kept compiled kernels (kernels/_launch.py). (2) a 4-layer
+forward's host time split by the functions `_forward` calls (timing wrappers, ~0.3 us each); Each twice (SETTINGS): the host path before session (e), then after it. (2) a 4-layer
 model of the 1.5b width, blocks compiled as the trainer compiles them, under bf16 autocast: host time of
 its forward and backward, dense FFNs against TwELL, per layer.
 """
@@ -21,6 +20,17 @@ import torch
 import twell.kernels.training.train as T
 from twell.kernels._launch import set_fast_launch
 from twell.kernels.synthetic import paper_like_ffn_inputs
+
+# The host paths compared: before session (e) (launches through Triton's front end, the hot units' GEMMs
+# on a side stream) and after it (kept compiled kernels, one stream outside CUDA graphs).
+SETTINGS = {"before": (False, True), "after": (True, "auto")}
+
+
+def use(name: str) -> None:
+    fast, streams = SETTINGS[name]
+    set_fast_launch(fast)
+    T.set_streams(streams)
+
 
 SLEEP = int(4e8)  # ~0.2 s of GPU time at ~1.98 GHz: longer than any host stretch timed below
 SPLIT = ("relu_gate_bits", "count_fires", "hot_split", "build_pattern", "row_ffn_forward", "hot_forward",
@@ -94,8 +104,8 @@ def model_rows(reps: int = 8, layers: int = 4) -> dict:
         model = Transformer(cfg).cuda()
         apply_block_wrappers(model, activation_checkpointing=False, compile_blocks=True)
         tokens = torch.randint(0, cfg.vocab_size, (8, 2048), device="cuda")
-        for fast in (False, True):
-            set_fast_launch(fast)
+        for setting in SETTINGS:
+            use(setting)
             fwd, bwd = [], []
             for i in range(reps + 3):
                 with T.deferred_sizes() as sizes:
@@ -112,10 +122,10 @@ def model_rows(reps: int = 8, layers: int = 4) -> dict:
                 if i >= 3:
                     fwd.append((t1 - t0) * 1e3)
                     bwd.append((t2 - t1) * 1e3)
-            res[f"{impl}_fast{int(fast)}"] = {
+            res[f"{impl}_{setting}"] = {
                 "fwd_host_ms": statistics.median(fwd), "bwd_host_ms": statistics.median(bwd),
             }  # fmt: skip
-            print(impl, fast, res[f"{impl}_fast{int(fast)}"], flush=True)
+            print(impl, setting, res[f"{impl}_{setting}"], flush=True)
         del model
         torch.cuda.empty_cache()
     return res
@@ -160,10 +170,10 @@ def launch_rows(reps: int = 3000) -> dict:
 def main() -> None:
     res = {"launch_us": launch_rows()}
     print(json.dumps(res, indent=1), flush=True)
-    for fast in (False, True):  # Triton's front end, then the kept compiled kernels (kernels/_launch.py)
-        set_fast_launch(fast)
-        res[f"op_fast{int(fast)}"] = op_rows()
-        print(f"fast launch {fast}:", json.dumps(res[f"op_fast{int(fast)}"], indent=1), flush=True)
+    for setting in SETTINGS:
+        use(setting)
+        res[f"op_{setting}"] = op_rows()
+        print(setting, json.dumps(res[f"op_{setting}"], indent=1), flush=True)
     res["model"] = model_rows()
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

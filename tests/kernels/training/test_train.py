@@ -901,24 +901,30 @@ def test_training_step_replays_in_a_cuda_graph(hot):
 
 @pytest.mark.gpu
 def test_hot_units_on_a_side_stream_give_the_one_stream_results_bit_for_bit():
-    """The hot units' GEMMs run on a second stream beside the sparse kernels (the default); every
-    output and gradient equals the one-stream step's exactly, on repeated calls too."""
+    """The hot units' GEMMs run on a second stream beside the sparse kernels (forced on here; by default
+    only inside a CUDA graph capture); every output and gradient equals the one-stream step's exactly,
+    on repeated calls too."""
     M, D, F = 8192, 1024, 4096
     inputs = _inputs(M, D, F, torch.bfloat16, mean_active=29.0)
     make_rows_dense(inputs[0], [1, 4000])
     grad_y = torch.randn(M, D, device=DEVICE, dtype=torch.bfloat16)
     runs = []
     try:
-        for on in (False, True, True):
+        for on in (False, True, True, "auto"):
             set_streams(on)
             runs.append(_run(lambda *t: twell_ffn(*t, hot_units=512), inputs, grad_y, 0.4))
     finally:
-        set_streams(True)
+        set_streams("auto")
     (ref, ref_grads), others = runs[0], runs[1:]
     for out, grads in others:
         assert torch.equal(out.y, ref.y) and torch.equal(out.l1, ref.l1)
         for a, b in zip(grads, ref_grads):
             assert torch.equal(a, b)
+
+
+def test_streams_setting_is_checked():
+    with pytest.raises(ValueError, match="streams 'yes' is unknown"):
+        set_streams("yes")
 
 
 def test_build_pattern_with_too_small_a_capacity_stays_in_bounds_and_reports_the_count():

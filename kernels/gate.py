@@ -149,7 +149,10 @@ def _bits_gemm(x, w_gate, h) -> str:
     aligned bases) and more rows than the decode regime's GEMV."""
     choice = _variant["bits_gemm"] or "persistent"  # measured faster on an H200 (PERSISTENT_CONFIGS)
     if choice == "persistent":
-        if not (tma_ready(x, w_gate, h) and x.shape[0] > 64):
+        # 16-bit operands only: every PERSISTENT_CONFIGS tile needs more shared memory than a Hopper SM
+        # has in fp32 (128x256x64 in 3 stages: 294 KB of 227 KB), and the autotuner's key (descriptors
+        # carry no dtype) would hand fp32 calls a configuration tuned in bf16.
+        if not (tma_ready(x, w_gate, h) and x.shape[0] > 64 and x.element_size() == 2):
             return "tiles"
     return choice
 

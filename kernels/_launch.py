@@ -79,21 +79,23 @@ def _arg_key(value):
 
 
 def _layers(kernel):
-    """(JITFunction, [wrappers outside-in]) of a JITFunction wrapped by autotune / heuristics."""
+    """(JITFunction, [wrappers outside-in]) of a JITFunction wrapped by autotune / heuristics, or
+    (None, wrappers) when the innermost function is not a JITFunction (the interpreter's kernels)."""
     wrappers = []
-    while not isinstance(kernel, triton.runtime.JITFunction):
-        if not hasattr(kernel, "fn"):
-            raise TypeError(f"fast(): {type(kernel).__name__} is not a Triton kernel or a wrapper of one")
+    while isinstance(kernel, (triton.runtime.Autotuner, triton.runtime.Heuristics)):
         wrappers.append(kernel)
         kernel = kernel.fn
-    return kernel, wrappers
+    return (kernel if isinstance(kernel, triton.runtime.JITFunction) else None), wrappers
 
 
 class _Site:
-    __slots__ = ("compiled", "extras", "pre_hook")
+    """A call signature's compiled kernel, the constexprs its wrappers added, and the chosen
+    configuration's pre-hook with every keyword Triton gives it (options such as num_warps included)."""
 
-    def __init__(self, compiled, extras: dict, pre_hook):
-        self.compiled, self.extras, self.pre_hook = compiled, extras, pre_hook
+    __slots__ = ("compiled", "extras", "pre_hook", "hook_extras")
+
+    def __init__(self, compiled, extras: dict, pre_hook, hook_extras: dict):
+        self.compiled, self.extras, self.pre_hook, self.hook_extras = compiled, extras, pre_hook, hook_extras
 
 
 class FastKernel:
@@ -105,6 +107,9 @@ class FastKernel:
 
     def _prepare(self) -> None:
         self.jit, self.wrappers = _layers(self.kernel)
+        self._ready = True
+        if self.jit is None:  # not a compiled kernel (the interpreter's): always Triton's path
+            return
         self.names = list(self.jit.arg_names)
         self.constexpr = frozenset(p.name for p in self.jit.params if p.is_constexpr)
         self.defaults = {
@@ -115,7 +120,6 @@ class FastKernel:
         self._tuners = [w for w in self.wrappers if isinstance(w, triton.runtime.Autotuner)]
         self._heuristics = [w for w in self.wrappers if isinstance(w, triton.runtime.Heuristics)]
         self._sites: dict = {}
-        self._ready = True
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
@@ -141,15 +145,17 @@ class FastKernel:
         return tuple(parts)
 
     def run(self, grid, args, kwargs):
+        if not self._ready and fast_launch_enabled():
+            self._prepare()
         runtime = triton.knobs.runtime
         if (
-            not fast_launch_enabled()
+            not self._ready
+            or self.jit is None
+            or not fast_launch_enabled()
             or _hooked(runtime.launch_enter_hook)
             or _hooked(runtime.launch_exit_hook)
         ):
             return self.kernel[grid](*args, **kwargs)
-        if not self._ready:
-            self._prepare()
         try:
             key = self._key(args, kwargs)
         except (_Unkeyable, TypeError, KeyError):  # an unhashable constexpr; a heuristic's missing input
@@ -162,13 +168,11 @@ class FastKernel:
             compiled = self.kernel[grid](*args, **kwargs)
             self._remember(key, compiled, args, kwargs)
             return compiled
-        named = None
         if site.pre_hook is not None:
-            named = {**self._named(args, kwargs), **site.extras}
-            site.pre_hook(named)
-        if callable(grid):
-            grid = grid(named if named is not None else {**self._named(args, kwargs), **site.extras})
+            site.pre_hook({**self._named(args, kwargs), **site.hook_extras})
         values = self._values(args, kwargs, site.extras)
+        if callable(grid):  # Triton calls it with every parameter bound, defaults included
+            grid = grid(dict(zip(self.names, values)))
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled = site.compiled
@@ -199,7 +203,7 @@ class FastKernel:
         if hasattr(compiled, "result"):  # an asynchronous compilation's future
             return
         extras: dict = {}
-        pre_hook = None
+        pre_hook, hook_extras = None, {}
         named = self._named(args, kwargs)
         for wrapper in self.wrappers:  # outside-in, as their run() methods add them
             if isinstance(wrapper, triton.runtime.Heuristics):
@@ -208,7 +212,7 @@ class FastKernel:
             elif isinstance(wrapper, triton.runtime.Autotuner):
                 config = wrapper.best_config if len(wrapper.configs) > 1 else wrapper.configs[0]
                 extras.update(config.kwargs)
-                pre_hook = config.pre_hook
+                pre_hook, hook_extras = config.pre_hook, config.all_kwargs()
             else:
                 return  # an unknown wrapper: keep taking Triton's path
         missing = [n for n in self.names[len(args) :] if n not in kwargs and n not in extras]
@@ -216,7 +220,7 @@ class FastKernel:
             return
         if compiled.function is None:
             return
-        self._sites[key] = _Site(compiled, extras, pre_hook)
+        self._sites[key] = _Site(compiled, extras, pre_hook, hook_extras)
 
 
 def fast(kernel) -> FastKernel:

@@ -151,3 +151,12 @@ def test_launch_hooks_set_by_a_profiler_send_calls_through_triton():
     assert not _launch._hooked(None) and not _launch._hooked(chain)
     chain.add(lambda metadata: None)
     assert _launch._hooked(chain) and _launch._hooked(lambda metadata: None)
+
+
+def test_wrappers_are_unwrapped_down_to_the_compiled_function():
+    """Autotuner and heuristics are peeled outside-in; an interpreter's kernel (or anything but a JIT
+    function) leaves no compiled function, so its calls always take Triton's path."""
+    jit, wrappers = _launch._layers(_FAST_TUNED_AXPY.kernel)
+    assert wrappers == [_FAST_TUNED_AXPY.kernel]
+    assert (jit is None) == interpreting()
+    assert _launch._layers(lambda: None) == (None, [])

@@ -18,7 +18,9 @@ the gradient norm over steps and the units re-initialised per logging window, fo
 
 Speeds are per logging window (metrics.jsonl). "steady" is the median window after --settle steps (the
 compile, the warm-up and the switch to the sparse path happen before it); "slowest" is the slowest window
-after step 20 against that median, the cost of the switch a user sees. The CE gap is the sparse run's CE
+after step 20 against that median, the cost of the switch a user sees, and, for the sparse runs, against
+the dense twin's median too (a window in which layers switch runs partly dense: the slower path's speed is
+its reference). The CE gap is the sparse run's CE
 against the dense twin's at the same step, worst over the logged steps after --settle.
 """
 

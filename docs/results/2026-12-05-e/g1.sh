@@ -7,7 +7,7 @@ set -uo pipefail
 t0=$(date +%s)
 source docs/results/2026-12-05/common.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-timeout 200 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_launch.py tests/kernels/training/test_train.py \
+timeout 200 python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_fast_launch.py tests/kernels/training/test_train.py \
   tests/kernels/test_reinit.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc $?"; tail -4 $OUT/gpu_tests.txt
 echo "t $(( $(date +%s) - t0 )) s"
 timeout 300 python3 docs/results/2026-12-05-e/host_split.py $OUT/host_split.json > $OUT/host_split.txt 2>&1; echo "host split rc $?"; tail -80 $OUT/host_split.txt

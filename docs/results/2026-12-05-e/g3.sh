@@ -7,7 +7,7 @@ set -uo pipefail
 t0=$(date +%s)
 source docs/results/2026-12-05/common.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py tests/kernels/training/test_train.py \
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fast_launch.py tests/kernels/training/test_train.py \
   tests/kernels/test_reinit.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc $?"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests.txt | head -12
 echo "t $(( $(date +%s) - t0 )) s"
 timeout 250 python3 docs/results/2026-12-05-e/host_split.py $OUT/host_split.json > $OUT/host_split.txt 2>&1; echo "host split rc $?"; tail -70 $OUT/host_split.txt

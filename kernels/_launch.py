@@ -145,24 +145,21 @@ class FastKernel:
         return tuple(parts)
 
     def run(self, grid, args, kwargs):
-        if not self._ready and fast_launch_enabled():
+        enabled = fast_launch_enabled()
+        if enabled and not self._ready:
             self._prepare()
         runtime = triton.knobs.runtime
         if (
-            not self._ready
+            not enabled
             or self.jit is None
-            or not fast_launch_enabled()
             or _hooked(runtime.launch_enter_hook)
             or _hooked(runtime.launch_exit_hook)
         ):
             return self.kernel[grid](*args, **kwargs)
         try:
             key = self._key(args, kwargs)
-        except (_Unkeyable, TypeError, KeyError):  # an unhashable constexpr; a heuristic's missing input
-            return self.kernel[grid](*args, **kwargs)
-        try:
             site = self._sites.get(key)
-        except TypeError:  # an unhashable constexpr value
+        except (_Unkeyable, TypeError, KeyError):  # an unhashable constexpr; a heuristic's missing input
             return self.kernel[grid](*args, **kwargs)
         if site is None:
             compiled = self.kernel[grid](*args, **kwargs)
@@ -209,12 +206,10 @@ class FastKernel:
             if isinstance(wrapper, triton.runtime.Heuristics):
                 for name, fn in wrapper.values.items():
                     extras[name] = fn({**named, **extras})
-            elif isinstance(wrapper, triton.runtime.Autotuner):
+            else:  # an Autotuner: _layers peels no other wrapper
                 config = wrapper.best_config if len(wrapper.configs) > 1 else wrapper.configs[0]
                 extras.update(config.kwargs)
                 pre_hook, hook_extras = config.pre_hook, config.all_kwargs()
-            else:
-                return  # an unknown wrapper: keep taking Triton's path
         missing = [n for n in self.names[len(args) :] if n not in kwargs and n not in extras]
         if any(n not in self.defaults for n in missing):
             return

@@ -86,9 +86,55 @@ def ce_gaps(run: list[dict], dense: list[dict], settle: int) -> tuple[float | No
     return (max(late_gaps, key=abs) if late_gaps else None), (gaps[-1] if gaps else None)
 
 
-def compare(runs: dict[str, list[dict]], settle: int) -> dict:
-    """Every run summarised; each sparse run (the sparse twin and any --variant) against the dense twin:
-    speed ratio and CE gaps in its summary, the sparse twin's also at the top level."""
+def repeat_name(name: str, repeat: int) -> str:
+    """The run name of a twin's (or variant's) repeat: `name` for the first, `name_<repeat>` after it."""
+    return name if repeat == 1 else f"{name}_{repeat}"
+
+
+def mean_ce(runs: list[list[dict]]) -> dict[int, float]:
+    """Mean CE per step over the runs that logged that step in every run."""
+    steps = set.intersection(*({r["step"] for r in records} for records in runs))
+    by_step = [{r["step"]: r["ce"] for r in records} for records in runs]
+    return {s: statistics.fmean(ce[s] for ce in by_step) for s in sorted(steps)}
+
+
+def group_compare(runs: dict[str, list[dict]], groups: dict[str, list[str]], settle: int) -> dict:
+    """Over each twin's (and variant's) repeats: the median of their steady speeds, the mean CE per step
+    and its gap against the dense twin's mean, the spread of the last CE over the repeats. The noise floor:
+    the worst CE gap after the settle of a dense repeat against the first dense run (None with one run)."""
+    out = {}
+    dense_names = [n for n in groups["dense"] if n in runs]
+    dense_ce = mean_ce([runs[n] for n in dense_names])
+    dense_speed = statistics.median(
+        summarize(runs[n], settle)["steady_tokens_per_s"] for n in dense_names
+    )
+    for base, names in groups.items():
+        names = [n for n in names if n in runs]
+        if not names:
+            continue
+        ce = mean_ce([runs[n] for n in names])
+        late = [(ce[s] - dense_ce[s]) / dense_ce[s] for s in ce if s in dense_ce and s > settle]
+        finals = [runs[n][-1]["ce"] for n in names]
+        speed = statistics.median(summarize(runs[n], settle)["steady_tokens_per_s"] for n in names)
+        out[base] = {
+            "runs": names,
+            "steady_tokens_per_s": speed,
+            "speedup": speed / dense_speed,
+            "mean_final_ce": statistics.fmean(finals),
+            "final_ce_spread": (max(finals) - min(finals)) / statistics.fmean(finals),
+            "worst_mean_ce_gap_after_settle": max(late, key=abs) if late and base != "dense" else None,
+        }
+    floor = [
+        g for n in dense_names[1:] for g in [ce_gaps(runs[n], runs[dense_names[0]], settle)[0]] if g is not None
+    ]
+    out["noise_floor"] = max(floor, key=abs) if floor else None
+    return out
+
+
+def compare(runs: dict[str, list[dict]], settle: int, groups: dict[str, list[str]] | None = None) -> dict:
+    """Every run summarised; each sparse run (the sparse twin and any --variant) and each repeat against
+    the dense twin's first run: speed ratio and CE gaps in its summary, the sparse twin's also at the top
+    level. With repeats (`groups`: twin or variant -> its runs' names), their means too (group_compare)."""
     summary = {name: summarize(records, settle) for name, records in runs.items()}
     for name, records in runs.items():
         if name != "dense":
@@ -103,13 +149,16 @@ def compare(runs: dict[str, list[dict]], settle: int) -> dict:
                 slowest_window_vs_dense=slowest_vs_dense,
             )  # fmt: skip
     sparse = summary["sparse"]
-    return {
+    result = {
         **summary,
         "runs": list(runs),
         "speedup": sparse["speedup"],
         "worst_ce_gap_after_settle": sparse["worst_ce_gap_after_settle"],
         "final_ce_gap": sparse["final_ce_gap"],
     }
+    if groups and any(len([n for n in names if n in runs]) > 1 for names in groups.values()):
+        result["repeats"] = group_compare(runs, groups, settle)
+    return result
 
 
 def _percent(value: float | None) -> str:
@@ -140,7 +189,33 @@ def table(result: dict) -> str:
         f"sparse / dense steady speed: **{result['speedup']:.3f}x**; worst CE gap after the settle: "
         f"{'n/a' if gap is None else f'{gap:+.2%}'}; commit {result['commit']}, {result['machine']}"
     )
+    if "repeats" in result:
+        rows += repeats_table(result["repeats"])
     return "\n".join(rows) + "\n"
+
+
+def repeats_table(repeats: dict) -> list[str]:
+    rows = [
+        "",
+        "| twin, over its repeats | runs | median steady tokens/s | vs dense | mean final CE (spread) "
+        "| worst gap of the mean CE after the settle |",
+        "|---|---|---|---|---|---|",
+    ]
+    for base, g in repeats.items():
+        if base == "noise_floor":
+            continue
+        rows.append(
+            f"| {base} | {len(g['runs'])} | {g['steady_tokens_per_s']:,.0f} | {g['speedup']:.3f}x | "
+            f"{g['mean_final_ce']:.4f} ({g['final_ce_spread']:.2%}) | "
+            f"{_percent(g['worst_mean_ce_gap_after_settle'])} |"
+        )
+    floor = repeats["noise_floor"]
+    rows += [
+        "",
+        "noise floor (the dense twin's repeats against its first run, worst CE gap after the settle): "
+        + ("n/a (one dense run)" if floor is None else f"{floor:+.2%}"),
+    ]
+    return rows
 
 
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
@@ -221,12 +296,22 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", default=None,
         help="run these only (sparse, dense or variants); the others' folders are reused, a variant not run yet is left out",
     )  # fmt: skip
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of every twin and variant (the noise floor of the CE gap: see above); default 1",
+    )  # fmt: skip
     args = p.parse_args(own)
-    runs = {name: [impl] for name, impl in TWINS.items()}
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} must be at least 1")
+    bases = {name: [impl] for name, impl in TWINS.items()}
     for name, extra in args.variant:
-        if not name.isidentifier() or name in runs:
-            p.error(f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat)")
-        runs[name] = [TWINS["sparse"], *shlex.split(extra)]
+        taken = {repeat_name(b, r) for b in bases for r in range(1, args.repeats + 1)}
+        if not name.isidentifier() or name in taken:
+            p.error(f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat's name)")
+        bases[name] = [TWINS["sparse"], *shlex.split(extra)]
+    # Every twin and variant once, then again for each repeat: machine drift spreads over all of them.
+    groups = {base: [repeat_name(base, r) for r in range(1, args.repeats + 1)] for base in bases}
+    runs = {repeat_name(base, r): bases[base] for r in range(1, args.repeats + 1) for base in bases}
     for name in args.only or ():
         if name not in runs:
             p.error(f"--only {name!r} is none of the runs: {', '.join(runs)}")
@@ -258,9 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"[race] not run yet, left out of the table: {', '.join(missing)}")
     records = {name: with_wall_clock(read_records(out / name)) for name in runs if name not in missing}
-    result = compare(records, args.settle)
+    result = compare(records, args.settle, groups)
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
     result["variants"] = {name: extra for name, extra in args.variant}
+    result["repeat_count"] = args.repeats
     (out / "race.json").write_text(json.dumps({**result, "records": records}, indent=1))
     text = table(result)
     (out / "race.md").write_text(text)

@@ -70,12 +70,18 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
         and "| every_step |" in (tmp_path / "race" / "race.md").read_text()
     )
     # --only reruns some runs and reuses the others' folders; a variant not run yet is left out of the table.
-    later = ["--variant", "later", "sparsity.l1_coef=0.1", "--only", "dense", "every_step"]
+    # With --repeats 2, the dense twin's repeat (dense_2) run alone: the noise floor of the CE gap, none
+    # on a CPU (the same tokens, seed and arithmetic give the same run).
+    later = ["--variant", "later", "sparsity.l1_coef=0.1", "--repeats", "2", "--only", "dense_2", "every_step"]
     assert (
         race.main(["--out", str(tmp_path / "race"), "--settle", "2", *variant, *later, "--", *overrides]) == 0
     )
     result = json.loads((tmp_path / "race" / "race.json").read_text())
-    assert result["runs"] == ["sparse", "dense", "every_step"] and "later" in result["variants"]
+    assert result["runs"] == ["sparse", "dense", "every_step", "dense_2"] and "later" in result["variants"]
+    assert result["repeat_count"] == 2 and result["repeats"]["dense"]["runs"] == ["dense", "dense_2"]
+    assert result["repeats"]["noise_floor"] == 0.0
+    assert result["repeats"]["sparse"]["runs"] == ["sparse"]
+    assert "noise floor" in (tmp_path / "race" / "race.md").read_text()
     sparse, dense = result["records"]["sparse"], result["records"]["dense"]
     assert [r["step"] for r in sparse] == [r["step"] for r in dense] == list(range(1, 5))
     assert [r["tokens"] for r in sparse] == [256 * s for s in range(1, 5)]
@@ -94,6 +100,56 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     assert sparse[-1]["seconds"] > sparse[0]["seconds"] > 0
     assert "sparse / dense steady speed" in (tmp_path / "race" / "race.md").read_text()
     assert (tmp_path / "race" / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _records(ces, speed=100.0):
+    return [
+        {"step": 10 * (i + 1), "tokens": 10 * (i + 1), "ce": ce, "tokens_per_s": speed, "seconds": i + 1.0,
+         "active_mean": [1.0], "grad_norm": 1.0}
+        for i, ce in enumerate(ces)
+    ]  # fmt: skip
+
+
+def test_race_repeats_compare_the_twins_mean_ce_beside_the_dense_twins_own_spread():
+    """--repeats: each twin's runs averaged per step, and the dense repeats' gap to the first dense run as the
+    noise floor against which a sparse gap is read."""
+    import race
+
+    runs = {
+        "sparse": _records([5.0, 4.0, 3.3], 150.0),
+        "dense": _records([5.0, 4.0, 3.0], 100.0),
+        "sparse_2": _records([5.0, 4.0, 2.9], 170.0),
+        "dense_2": _records([5.0, 4.2, 3.2], 120.0),
+    }
+    groups = {"sparse": ["sparse", "sparse_2"], "dense": ["dense", "dense_2"]}
+    result = race.compare(runs, settle=10, groups=groups)
+    repeats = result["repeats"]
+    # Means per step: sparse (4.0, 3.1), dense (4.1, 3.1): the worst gap after the settle is at step 20.
+    assert repeats["sparse"]["worst_mean_ce_gap_after_settle"] == pytest.approx(4.0 / 4.1 - 1)
+    assert repeats["sparse"]["mean_final_ce"] == pytest.approx(3.1)
+    assert repeats["sparse"]["final_ce_spread"] == pytest.approx(0.4 / 3.1)
+    assert repeats["sparse"]["speedup"] == pytest.approx(160.0 / 110.0)
+    assert repeats["dense"]["worst_mean_ce_gap_after_settle"] is None
+    # The dense repeat against the first dense run: 4.2 / 4.0 at step 20, 3.2 / 3.0 at step 30.
+    assert repeats["noise_floor"] == pytest.approx(3.2 / 3.0 - 1)
+    # The repeat is a row of its own too, compared with the first dense run like any sparse run.
+    assert result["dense_2"]["worst_ce_gap_after_settle"] == pytest.approx(3.2 / 3.0 - 1)
+    text = race.table({**result, "commit": "abc", "machine": "m"})
+    assert "| sparse | 2 | 160 | 1.455x | 3.1000 (12.90%) | -2.44% |" in text
+    assert "noise floor" in text and "+6.67%" in text
+    # One run of each: no repeats section.
+    single = race.compare({k: runs[k] for k in ("sparse", "dense")}, settle=10, groups=groups)
+    assert "repeats" not in single
+
+
+def test_race_refuses_a_variant_named_like_a_repeat(tmp_path, capsys):
+    import race
+
+    with pytest.raises(SystemExit):
+        race.main(["--out", str(tmp_path), "--repeats", "2", "--variant", "dense_2", "x=1", "--only", "dense"])
+    assert "dense_2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        race.main(["--out", str(tmp_path), "--repeats", "0"])
 
 
 def test_a_sparse_block_compiles_without_a_graph_break():

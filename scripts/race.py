@@ -105,9 +105,7 @@ def group_compare(runs: dict[str, list[dict]], groups: dict[str, list[str]], set
     out = {}
     dense_names = [n for n in groups["dense"] if n in runs]
     dense_ce = mean_ce([runs[n] for n in dense_names])
-    dense_speed = statistics.median(
-        summarize(runs[n], settle)["steady_tokens_per_s"] for n in dense_names
-    )
+    dense_speed = statistics.median(summarize(runs[n], settle)["steady_tokens_per_s"] for n in dense_names)
     for base, names in groups.items():
         names = [n for n in names if n in runs]
         if not names:
@@ -125,7 +123,10 @@ def group_compare(runs: dict[str, list[dict]], groups: dict[str, list[str]], set
             "worst_mean_ce_gap_after_settle": max(late, key=abs) if late and base != "dense" else None,
         }
     floor = [
-        g for n in dense_names[1:] for g in [ce_gaps(runs[n], runs[dense_names[0]], settle)[0]] if g is not None
+        g
+        for n in dense_names[1:]
+        for g in [ce_gaps(runs[n], runs[dense_names[0]], settle)[0]]
+        if g is not None
     ]
     out["noise_floor"] = max(floor, key=abs) if floor else None
     return out
@@ -307,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in args.variant:
         taken = {repeat_name(b, r) for b in bases for r in range(1, args.repeats + 1)}
         if not name.isidentifier() or name in taken:
-            p.error(f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat's name)")
+            p.error(
+                f"--variant name {name!r} must be a new identifier (not sparse, dense or a repeat's name)"
+            )
         bases[name] = [TWINS["sparse"], *shlex.split(extra)]
     # Every twin and variant once, then again for each repeat: machine drift spreads over all of them.
     groups = {base: [repeat_name(base, r) for r in range(1, args.repeats + 1)] for base in bases}

@@ -72,7 +72,16 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     # --only reruns some runs and reuses the others' folders; a variant not run yet is left out of the table.
     # With --repeats 2, the dense twin's repeat (dense_2) run alone: the noise floor of the CE gap, none
     # on a CPU (the same tokens, seed and arithmetic give the same run).
-    later = ["--variant", "later", "sparsity.l1_coef=0.1", "--repeats", "2", "--only", "dense_2", "every_step"]
+    later = [
+        "--variant",
+        "later",
+        "sparsity.l1_coef=0.1",
+        "--repeats",
+        "2",
+        "--only",
+        "dense_2",
+        "every_step",
+    ]
     assert (
         race.main(["--out", str(tmp_path / "race"), "--settle", "2", *variant, *later, "--", *overrides]) == 0
     )
@@ -146,7 +155,9 @@ def test_race_refuses_a_variant_named_like_a_repeat(tmp_path, capsys):
     import race
 
     with pytest.raises(SystemExit):
-        race.main(["--out", str(tmp_path), "--repeats", "2", "--variant", "dense_2", "x=1", "--only", "dense"])
+        race.main(
+            ["--out", str(tmp_path), "--repeats", "2", "--variant", "dense_2", "x=1", "--only", "dense"]
+        )
     assert "dense_2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         race.main(["--out", str(tmp_path), "--repeats", "0"])

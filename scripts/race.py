@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=1,
         help="runs of every twin and variant (the noise floor of the CE gap: see above); default 1",
     )  # fmt: skip
+    p.add_argument(
+        "--no-run", action="store_true",
+        help="run nothing: the table and plot from the runs already in --out (e.g. after a time limit cut the race)",
+    )  # fmt: skip
     args = p.parse_args(own)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats} must be at least 1")
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, own_overrides in runs.items():
-        if args.only and name not in args.only:
+        if args.no_run or (args.only and name not in args.only):
             continue
         run_dir = out / name
         cmd = [
@@ -346,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"[race] not run yet, left out of the table: {', '.join(missing)}")
     records = {name: with_wall_clock(read_records(out / name)) for name in runs if name not in missing}
+    # A run cut short (a time limit, then --no-run) would shorten the steps its repeats are averaged over.
+    last = records["dense"][-1]["step"]
+    short = [name for name in records if name not in TWINS and records[name][-1]["step"] < last]
+    if short:
+        print(f"[race] stopped before step {last}, left out of the table: {', '.join(short)}")
+        records = {name: r for name, r in records.items() if name not in short}
     result = compare(records, args.settle, groups)
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
     result["variants"] = {name: extra for name, extra in args.variant}

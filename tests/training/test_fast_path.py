@@ -151,6 +151,26 @@ def test_race_repeats_compare_the_twins_mean_ce_beside_the_dense_twins_own_sprea
     assert "repeats" not in single
 
 
+def test_race_no_run_tables_the_runs_in_the_folder_and_leaves_out_unfinished_ones(tmp_path, capsys):
+    """--no-run after a race cut by a time limit: the finished runs' table, an unfinished repeat left out."""
+    import json
+
+    import race
+
+    ces = {"sparse": [5.0, 4.0, 3.3], "dense": [5.0, 4.0, 3.0], "dense_2": [5.0, 4.2, 3.2], "sparse_2": [5.0]}
+    for name, ce in ces.items():
+        (tmp_path / name).mkdir()
+        lines = [json.dumps(r) for r in _records(ce)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert race.main(["--out", str(tmp_path), "--settle", "10", "--repeats", "2", "--no-run"]) == 0
+    assert "left out of the table: sparse_2" in capsys.readouterr().out
+    result = json.loads((tmp_path / "race.json").read_text())
+    assert result["runs"] == ["sparse", "dense", "dense_2"]
+    assert result["repeats"]["noise_floor"] == pytest.approx(3.2 / 3.0 - 1)
+    assert result["repeats"]["sparse"]["runs"] == ["sparse"]
+    assert not (tmp_path / "dense.log").exists()  # nothing was run
+
+
 def test_race_refuses_a_variant_named_like_a_repeat(tmp_path, capsys):
     import race
 

@@ -7,9 +7,9 @@ set -uo pipefail
 t0=$(date +%s)
 source docs/results/2026-12-05/common.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fast_launch.py tests/kernels/training/test_train.py \
-  tests/kernels/test_reinit.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc $?"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests.txt | head -12
-echo "t $(( $(date +%s) - t0 )) s"
+tests=(tests/kernels/test_fast_launch.py tests/kernels/training/test_train.py tests/kernels/test_reinit.py)
+timeout 170 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" > $OUT/gpu_tests.txt 2>&1
+echo "gpu tests rc $? t $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests.txt | head -12
 timeout 90 python3 docs/results/2026-12-05-f/host_split2.py $OUT/host_split2.json > $OUT/host_split2.txt 2>&1; echo "host split rc $?"
 python3 -c "import json; r=json.load(open('$OUT/host_split2.json')); print({k: v for k, v in r.items() if not k.endswith('_ops')})" 2>&1 | head -20
 echo "t $(( $(date +%s) - t0 )) s"

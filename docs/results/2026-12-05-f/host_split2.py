@@ -6,7 +6,8 @@ Session (e)'s host_split.py timed the forward's parts; this times the backward's
 launch (0.26 ms of the forward) by its steps. Same method: every timed call is issued while the GPU runs a
 long sleep kernel queued before it (sizes deferred, nothing read back), so what is timed is the host's
 issue time alone; each part is a timing wrapper around a function the op calls (~0.3 us each; nested parts
-are inside their parents). Then the number of PyTorch operators and Triton launches each direction issues
+are inside their parents; the upstream gradients of y and l1 are made before the backward is timed, where session
+(e) timed them with it). Then the number of PyTorch operators and Triton launches each direction issues
 (counted in a separate pass: the counting itself costs time). 16,384 x 2048 x 5632 bf16, paper-like inputs,
 1,024 hot units, median of 15 calls, the default settings (kept kernels, one stream).
 """
@@ -93,6 +94,27 @@ def counts(x, ws) -> dict:
     }  # fmt: skip
 
 
+def issued(fn):
+    """(fn's result, host ms to run it): with the GPU busy behind a sleep kernel, the time to issue fn."""
+    start = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - start) * 1e3
+
+
+def one_call(x, ws) -> tuple[float, float, dict]:
+    """Host ms of one forward and one backward issued behind the sleep kernel, and the parts' seconds."""
+    with T.deferred_sizes() as sizes:
+        busy()
+        spent.clear()
+        out, fwd_ms = issued(lambda: T.twell_ffn(x, *ws))
+        grads = [torch.ones_like(out.y), torch.ones_like(out.l1)]
+        _, bwd_ms = issued(lambda: torch.autograd.backward([out.y, out.l1], grads))
+        sizes.settle()
+    for t in (*ws, x):
+        t.grad = None
+    return fwd_ms, bwd_ms, dict(spent)
+
+
 def main(reps: int = 15) -> None:
     x, w_gate, w_up, w_down = paper_like_ffn_inputs(16384, 2048, 5632, device="cuda", seed=0)
     ws = [w.requires_grad_() for w in (w_gate, w_up, w_down)]
@@ -104,27 +126,12 @@ def main(reps: int = 15) -> None:
     }
     for m, name in PARTS:
         setattr(m, name, timed(name, getattr(m, name)))
-    fwd, bwd, parts = [], [], []
     try:
-        for i in range(reps + 3):
-            with T.deferred_sizes() as sizes:
-                busy()
-                spent.clear()
-                t0 = time.perf_counter()
-                out = T.twell_ffn(x, *ws)
-                t1 = time.perf_counter()
-                torch.autograd.backward([out.y, out.l1], [torch.ones_like(out.y), torch.ones_like(out.l1)])
-                t2 = time.perf_counter()
-                sizes.settle()
-            if i >= 3:
-                fwd.append((t1 - t0) * 1e3)
-                bwd.append((t2 - t1) * 1e3)
-                parts.append(dict(spent))
-            for w in ws + [x]:
-                w.grad = None
+        samples = [one_call(x, ws) for _ in range(reps + 3)][3:]  # the first three: warm-up
     finally:
         for (m, name), fn in originals.items():
             setattr(m, name, fn)
+    fwd, bwd, parts = zip(*samples)
     split = {name: statistics.median(p.get(name, 0.0) for p in parts) * 1e3 for _, name in PARTS}
     res = {"fwd_host_ms": statistics.median(fwd), "bwd_host_ms": statistics.median(bwd), "split_ms": split}
     top_fwd = ("relu_gate_bits", "count_fires", "hot_split", "build_pattern", "row_ffn_forward", "hot_forward",

@@ -1,5 +1,6 @@
 """The race: the sparse model and its dense twin trained by the real trainer (train.py) on the same
-tokens with the same L1 coefficient, one after the other on this machine, then compared.
+tokens with the same L1 coefficient, one after the other on this machine (or side by side on its GPUs:
+`--gpus`), then compared.
 
     python scripts/race.py --out outputs/race -- experiment=paper_0.5b data=local train.steps=200 \\
         train.global_batch_tokens=16384 sparsity.l1_coef=1e-3 eval.interval=0 checkpoint.interval=0
@@ -22,6 +23,15 @@ after step 20 against that median, the cost of the switch a user sees, and, for 
 the dense twin's median too (a window in which layers switch runs partly dense: the slower path's speed is
 its reference). The CE gap is the sparse run's CE
 against the dense twin's at the same step, worst over the logged steps after --settle.
+
+A single pair does not say whether a CE gap is the sparse path's: GPU training is not bit-reproducible
+(atomics in attention's backward, autotuned kernels), and early in training a difference in the last bit
+grows within steps. Two runs of the same dense recipe on one H200 or H100 have differed by 0.5-3.5% in CE
+at steps 50-100 (docs/RESULTS.md, "How far apart two runs of one recipe are"). `--repeats N` runs every
+twin and variant N times (the repeats named sparse_2, dense_2, ...) and compares the twins' mean CE per
+step, beside the noise floor: how far the dense twin's repeats are from its first run. `--gpus N` runs
+N of them at once, one GPU each (the first N visible devices), in the same order; speeds are then those
+of runs sharing the node's host CPUs, so compare runs of one race with each other.
 """
 
 from __future__ import annotations
@@ -189,6 +199,7 @@ def table(result: dict) -> str:
     rows.append(
         f"sparse / dense steady speed: **{result['speedup']:.3f}x**; worst CE gap after the settle: "
         f"{'n/a' if gap is None else f'{gap:+.2%}'}; commit {result['commit']}, {result['machine']}"
+        + (f", {result['gpus']} runs side by side (one device each)" if result.get("gpus", 1) > 1 else "")
     )
     if "repeats" in result:
         rows += repeats_table(result["repeats"])
@@ -283,6 +294,57 @@ def commit_of(root: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
+def devices_for(gpus: int) -> list[str | None]:
+    """The device each of `gpus` concurrent runs gets (CUDA_VISIBLE_DEVICES of its process): the first
+    `gpus` of this process's visible devices; [None] (inherit) for one run at a time."""
+    if gpus == 1:
+        return [None]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
+    if len(ids) < gpus:
+        raise SystemExit(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={visible!r} names only {len(ids)} devices")
+    return ids[:gpus]
+
+
+def run_all(jobs: dict[str, list[str]], out: Path, devices: list[str | None]) -> tuple[int, dict]:
+    """Run the jobs (name -> command) in order, as many at once as there are devices, each alone on its
+    device; each job's output goes to <out>/<name>.log. Returns (the first non-zero exit status or 0, per
+    job: its device and start / end seconds after the first start). A failed job lets the running ones
+    finish and starts no other."""
+    pending, running, schedule, status = list(jobs.items()), {}, {}, 0
+    free, t0 = list(devices), time.perf_counter()
+    while running or (pending and not status):
+        while pending and free and not status:
+            name, cmd = pending.pop(0)
+            device = free.pop(0)
+            env = dict(os.environ)
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = device
+            where = "" if device is None else f" on device {device}"
+            print(f"[race] {name}{where}: {' '.join(cmd[1:])}", flush=True)
+            log = open(out / f"{name}.log", "w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[name] = (proc, log, device)
+            schedule[name] = {"device": device, "start_s": time.perf_counter() - t0}
+        for name, (proc, log, device) in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            log.close()
+            del running[name]
+            free.append(device)
+            schedule[name]["end_s"] = end = time.perf_counter() - t0
+            print(
+                f"[race] {name}: exit {code} after {end - schedule[name]['start_s']:.0f} s (log: {out / f'{name}.log'})"
+            )
+            if code and not status:
+                print((out / f"{name}.log").read_text()[-3000:], file=sys.stderr)
+                status = code
+        if running:
+            time.sleep(0.2)
+    return status, schedule
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, overrides = split_extra(argv)
@@ -302,12 +364,18 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of every twin and variant (the noise floor of the CE gap: see above); default 1",
     )  # fmt: skip
     p.add_argument(
+        "--gpus", type=int, default=1,
+        help="runs side by side, one GPU each (the first N visible devices); default 1: one after the other",
+    )  # fmt: skip
+    p.add_argument(
         "--no-run", action="store_true",
         help="run nothing: the table and plot from the runs already in --out (e.g. after a time limit cut the race)",
     )  # fmt: skip
     args = p.parse_args(own)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats} must be at least 1")
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus} must be at least 1")
     bases = {name: [impl] for name, impl in TWINS.items()}
     for name, extra in args.variant:
         taken = {repeat_name(b, r) for b in bases for r in range(1, args.repeats + 1)}
@@ -324,28 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--only {name!r} is none of the runs: {', '.join(runs)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, own_overrides in runs.items():
-        if args.no_run or (args.only and name not in args.only):
-            continue
-        run_dir = out / name
-        cmd = [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *overrides,
-            *own_overrides,
-            f"run_name=race_{name}",
-            f"run_dir={run_dir}",
-        ]
-        print(f"[race] {name}: {' '.join(cmd[1:])}", flush=True)
-        start = time.perf_counter()
-        with open(out / f"{name}.log", "w") as log:
-            status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(
-            f"[race] {name}: exit {status} after {time.perf_counter() - start:.0f} s (log: {out / f'{name}.log'})"
-        )
-        if status:
-            print((out / f"{name}.log").read_text()[-3000:], file=sys.stderr)
-            return status
+    jobs = {
+        name: [sys.executable, str(ROOT / "train.py"), *overrides, *own, f"run_name=race_{name}", f"run_dir={out / name}"]
+        for name, own in runs.items()
+        if not args.no_run and not (args.only and name not in args.only)
+    }  # fmt: skip
+    status, schedule = run_all(jobs, out, devices_for(args.gpus))
+    if status:
+        return status
     missing = [name for name in runs if name not in TWINS and not (out / name / "metrics.jsonl").is_file()]
     if missing:
         print(f"[race] not run yet, left out of the table: {', '.join(missing)}")
@@ -360,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
     result["variants"] = {name: extra for name, extra in args.variant}
     result["repeat_count"] = args.repeats
+    result["gpus"], result["schedule"] = args.gpus, schedule
     (out / "race.json").write_text(json.dumps({**result, "records": records}, indent=1))
     text = table(result)
     (out / "race.md").write_text(text)

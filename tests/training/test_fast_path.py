@@ -1,6 +1,8 @@
 """The sparse path is ready before layers switch to it: kernels.training.train.warm_up and the trainer's warm-up
 of model.ffn_impl=auto change nothing of the run but when its costs are paid."""
 
+import sys
+
 import pytest
 import torch
 from trainer_helpers import compose_job, tiny_overrides, train
@@ -72,11 +74,14 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     # --only reruns some runs and reuses the others' folders; a variant not run yet is left out of the table.
     # With --repeats 2, the dense twin's repeat (dense_2) run alone: the noise floor of the CE gap, none
     # on a CPU (the same tokens, seed and arithmetic give the same run).
+    # --gpus 2: the two runs side by side (on a CPU: two processes at once, each told a device of its own).
     later = [
         "--variant",
         "later",
         "sparsity.l1_coef=0.1",
         "--repeats",
+        "2",
+        "--gpus",
         "2",
         "--only",
         "dense_2",
@@ -91,6 +96,9 @@ def test_race_trains_both_twins_through_train_py_and_writes_table_and_plot(offli
     assert result["repeats"]["noise_floor"] == 0.0
     assert result["repeats"]["sparse"]["runs"] == ["sparse"]
     assert "noise floor" in (tmp_path / "race" / "race.md").read_text()
+    first, second = result["schedule"]["every_step"], result["schedule"]["dense_2"]
+    assert {first["device"], second["device"]} == {"0", "1"}
+    assert second["start_s"] < first["end_s"] and first["start_s"] < second["end_s"]  # they overlapped
     sparse, dense = result["records"]["sparse"], result["records"]["dense"]
     assert [r["step"] for r in sparse] == [r["step"] for r in dense] == list(range(1, 5))
     assert [r["tokens"] for r in sparse] == [256 * s for s in range(1, 5)]
@@ -169,6 +177,28 @@ def test_race_no_run_tables_the_runs_in_the_folder_and_leaves_out_unfinished_one
     assert result["repeats"]["noise_floor"] == pytest.approx(3.2 / 3.0 - 1)
     assert result["repeats"]["sparse"]["runs"] == ["sparse"]
     assert not (tmp_path / "dense.log").exists()  # nothing was run
+
+
+def test_race_runs_jobs_side_by_side_one_device_each_and_stops_starting_after_a_failure(
+    tmp_path, monkeypatch
+):
+    import race
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    assert race.devices_for(2) == ["3", "5"] and race.devices_for(1) == [None]
+    with pytest.raises(SystemExit, match="names only 3 devices"):
+        race.devices_for(4)
+    show = "import os, time; time.sleep(0.5); print(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    jobs = {name: [sys.executable, "-c", show] for name in ("a", "b", "c")}
+    status, schedule = race.run_all(jobs, tmp_path, ["3", "5"])
+    assert status == 0 and [(tmp_path / f"{n}.log").read_text().strip() for n in "abc"] == ["3", "5", "3"]
+    assert (
+        schedule["b"]["start_s"] < schedule["a"]["end_s"] <= schedule["c"]["start_s"]
+    )  # c waited for a free device
+    # A failure: the running job finishes, no other starts, its exit status is returned.
+    jobs = {"bad": [sys.executable, "-c", "raise SystemExit(3)"], "slow": jobs["a"], "never": jobs["b"]}
+    status, schedule = race.run_all(jobs, tmp_path, ["0", "1"])
+    assert status == 3 and "end_s" in schedule["slow"] and "never" not in schedule
 
 
 def test_race_refuses_a_variant_named_like_a_repeat(tmp_path, capsys):

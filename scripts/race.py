@@ -230,16 +230,31 @@ def repeats_table(repeats: dict) -> list[str]:
     return rows
 
 
-def plot(runs: dict[str, list[dict]], path: Path) -> None:
+def plot(runs: dict[str, list[dict]], path: Path, groups: dict[str, list[str]] | None = None) -> None:
+    """The race's PNG. With repeats (`groups`), CE against tokens is each twin's mean over its runs with
+    the band from its lowest to its highest run; every other panel shows every run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(18, 8))
+    present = {base: [n for n in names if n in runs] for base, names in (groups or {}).items()}
+    banded = {base: names for base, names in present.items() if len(names) > 1}
+    for base, names in banded.items():
+        mean = mean_ce([runs[n] for n in names])
+        by_step = [{r["step"]: r for r in runs[n]} for n in names]
+        steps = list(mean)
+        tokens = [by_step[0][s]["tokens"] for s in steps]
+        line = axes[0, 0].plot(tokens, list(mean.values()), label=f"{base} (mean of {len(names)})")[0]
+        low = [min(b[s]["ce"] for b in by_step) for s in steps]
+        high = [max(b[s]["ce"] for b in by_step) for s in steps]
+        axes[0, 0].fill_between(tokens, low, high, color=line.get_color(), alpha=0.2)
+    in_bands = {n for names in banded.values() for n in names}
     for name, records in runs.items():
         steps = [r["step"] for r in records]
-        axes[0, 0].plot([r["tokens"] for r in records], [r["ce"] for r in records], label=name)
+        if name not in in_bands:
+            axes[0, 0].plot([r["tokens"] for r in records], [r["ce"] for r in records], label=name)
         axes[0, 1].plot([r["seconds"] for r in records], [r["ce"] for r in records], label=name)
         axes[1, 0].plot(steps, [r["tokens_per_s"] for r in records], label=name)
         axes[0, 2].plot(steps, [r["grad_norm"] for r in records], label=name)
@@ -266,6 +281,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     axes[1, 1].set_yscale("log")
     axes[0, 2].set_yscale("log")
     axes[0, 0].legend()
+    axes[1, 0].legend(fontsize=7)  # every run's colour, in every panel but the first
     axes[1, 1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -411,14 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[race] stopped before step {last}, left out of the table: {', '.join(short)}")
         records = {name: r for name, r in records.items() if name not in short}
     result = compare(records, args.settle, groups)
-    result.update(commit=commit_of(ROOT), machine=machine_name(), overrides=overrides, settle=args.settle)
+    # --no-run tables runs made elsewhere: this machine is not theirs.
+    machine = machine_name() if jobs else "machine not recorded (tabled by --no-run)"
+    result.update(commit=commit_of(ROOT), machine=machine, overrides=overrides, settle=args.settle)
     result["variants"] = {name: extra for name, extra in args.variant}
     result["repeat_count"] = args.repeats
     result["gpus"], result["schedule"] = args.gpus, schedule
     (out / "race.json").write_text(json.dumps({**result, "records": records}, indent=1))
     text = table(result)
     (out / "race.md").write_text(text)
-    plot(records, out / "race.png")
+    plot(records, out / "race.png", groups)
     print(text)
     print(f"[race] wrote {out / 'race.json'}, {out / 'race.md'}, {out / 'race.png'}")
     return 0

@@ -177,6 +177,7 @@ def test_race_no_run_tables_the_runs_in_the_folder_and_leaves_out_unfinished_one
     assert result["repeats"]["noise_floor"] == pytest.approx(3.2 / 3.0 - 1)
     assert result["repeats"]["sparse"]["runs"] == ["sparse"]
     assert not (tmp_path / "dense.log").exists()  # nothing was run
+    assert result["machine"] == "machine not recorded (tabled by --no-run)"
 
 
 def test_race_runs_jobs_side_by_side_one_device_each_and_stops_starting_after_a_failure(

@@ -24,8 +24,8 @@ the dense twin's median too (a window in which layers switch runs partly dense: 
 its reference). The CE gap is the sparse run's CE
 against the dense twin's at the same step, worst over the logged steps after --settle.
 
-A single pair does not say whether a CE gap is the sparse path's: GPU training is not bit-reproducible
-(atomics in attention's backward, autotuned kernels), and early in training a difference in the last bit
+A single pair does not say whether a CE gap is the sparse path's: the GPU runs are not bit-reproducible
+(dense twins of one recipe already differ at step 10), and early in training a difference in the last bit
 grows within steps. Two runs of the same dense recipe on one H200 or H100 have differed by 0.5-3.5% in CE
 at steps 50-100 (docs/RESULTS.md, "How far apart two runs of one recipe are"). `--repeats N` runs every
 twin and variant N times (the repeats named sparse_2, dense_2, ...) and compares the twins' mean CE per

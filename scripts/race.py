@@ -108,22 +108,28 @@ def mean_ce(runs: list[list[dict]]) -> dict[int, float]:
     return {s: statistics.fmean(ce[s] for ce in by_step) for s in sorted(steps)}
 
 
-def group_compare(runs: dict[str, list[dict]], groups: dict[str, list[str]], settle: int) -> dict:
-    """Over each twin's (and variant's) repeats: the median of their steady speeds, the mean CE per step
-    and its gap against the dense twin's mean, the spread of the last CE over the repeats. The noise floor:
-    the worst CE gap after the settle of a dense repeat against the first dense run (None with one run)."""
+def present(groups: dict[str, list[str]] | None, runs: dict) -> dict[str, list[str]]:
+    """Each twin's (or variant's) runs among `runs` (a repeat not run yet, or cut short, is absent)."""
+    return {base: [n for n in names if n in runs] for base, names in (groups or {}).items()}
+
+
+def group_compare(
+    runs: dict[str, list[dict]], groups: dict[str, list[str]], summary: dict, settle: int
+) -> dict:
+    """Over each twin's (and variant's) repeats (`groups`: only runs present; `summary`: compare's per-run
+    summaries): the median of their steady speeds, the mean CE per step and its gap against the dense twin's
+    mean after the settle, the spread of the last CE over the repeats. The noise floor: the worst CE gap after
+    the settle of a dense repeat against the first dense run (None with one run)."""
     out = {}
-    dense_names = [n for n in groups["dense"] if n in runs]
-    dense_ce = mean_ce([runs[n] for n in dense_names])
-    dense_speed = statistics.median(summarize(runs[n], settle)["steady_tokens_per_s"] for n in dense_names)
+    dense_ce = mean_ce([runs[n] for n in groups["dense"]])
+    dense_speed = statistics.median(summary[n]["steady_tokens_per_s"] for n in groups["dense"])
     for base, names in groups.items():
-        names = [n for n in names if n in runs]
         if not names:
             continue
         ce = mean_ce([runs[n] for n in names])
         late = [(ce[s] - dense_ce[s]) / dense_ce[s] for s in ce if s in dense_ce and s > settle]
         finals = [runs[n][-1]["ce"] for n in names]
-        speed = statistics.median(summarize(runs[n], settle)["steady_tokens_per_s"] for n in names)
+        speed = statistics.median(summary[n]["steady_tokens_per_s"] for n in names)
         out[base] = {
             "runs": names,
             "steady_tokens_per_s": speed,
@@ -132,12 +138,8 @@ def group_compare(runs: dict[str, list[dict]], groups: dict[str, list[str]], set
             "final_ce_spread": (max(finals) - min(finals)) / statistics.fmean(finals),
             "worst_mean_ce_gap_after_settle": max(late, key=abs) if late and base != "dense" else None,
         }
-    floor = [
-        g
-        for n in dense_names[1:]
-        for g in [ce_gaps(runs[n], runs[dense_names[0]], settle)[0]]
-        if g is not None
-    ]
+    # A dense repeat is compared with the first dense run like any other run (compare, above).
+    floor = [g for n in groups["dense"][1:] if (g := summary[n]["worst_ce_gap_after_settle"]) is not None]
     out["noise_floor"] = max(floor, key=abs) if floor else None
     return out
 
@@ -167,8 +169,9 @@ def compare(runs: dict[str, list[dict]], settle: int, groups: dict[str, list[str
         "worst_ce_gap_after_settle": sparse["worst_ce_gap_after_settle"],
         "final_ce_gap": sparse["final_ce_gap"],
     }
-    if groups and any(len([n for n in names if n in runs]) > 1 for names in groups.values()):
-        result["repeats"] = group_compare(runs, groups, settle)
+    groups = present(groups, runs)
+    if any(len(names) > 1 for names in groups.values()):
+        result["repeats"] = group_compare(runs, groups, summary, settle)
     return result
 
 
@@ -239,8 +242,7 @@ def plot(runs: dict[str, list[dict]], path: Path, groups: dict[str, list[str]] |
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(18, 8))
-    present = {base: [n for n in names if n in runs] for base, names in (groups or {}).items()}
-    banded = {base: names for base, names in present.items() if len(names) > 1}
+    banded = {base: names for base, names in present(groups, runs).items() if len(names) > 1}
     for base, names in banded.items():
         mean = mean_ce([runs[n] for n in names])
         by_step = [{r["step"]: r for r in runs[n]} for n in names]

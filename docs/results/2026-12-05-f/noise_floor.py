@@ -14,10 +14,14 @@ races' settle).
 import itertools
 import json
 import statistics
+import sys
 import tarfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2] / "scripts"))
+from race import ce_gaps  # noqa: E402  (the race's own gap: worst after the settle, and at the last step)
+
 ARCHIVES = sorted(HERE.parent.glob("2026-12-05-[de]/call*/*.tgz"))
 SETTLE = 50
 
@@ -39,8 +43,11 @@ def size_of(archive: Path, dense: dict[int, float]) -> str:
     return "0.5b" if dense[10] < 10 else "1.5b"
 
 
-def gaps(a: dict[int, float], b: dict[int, float]) -> list[float]:
-    return [a[s] / b[s] - 1 for s in sorted(set(a) & set(b)) if s > SETTLE]
+def gaps(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
+    """(worst gap of run a's CE against run b's after the settle, gap at the last step), as race.py has it."""
+    return ce_gaps(
+        *([{"step": step, "ce": ce} for step, ce in sorted(run.items())] for run in (a, b)), SETTLE
+    )
 
 
 def main() -> None:
@@ -57,9 +64,9 @@ def main() -> None:
         )
         floor = []
         for (la, ra), (lb, rb) in itertools.combinations(mine, 2):
-            g = gaps(ra["dense"], rb["dense"])
-            floor.append(max(g, key=abs))
-            print(f"| {la} vs {lb} | {max(g, key=abs):+.2%} | {g[-1]:+.2%} |")
+            worst, last = gaps(ra["dense"], rb["dense"])
+            floor.append(worst)
+            print(f"| {la} vs {lb} | {worst:+.2%} | {last:+.2%} |")
         print(
             "\n| sparse run against its race's dense twin | worst gap after step 50 | gap at step 100 |\n|---|---|---|"
         )
@@ -67,9 +74,9 @@ def main() -> None:
         for label, runs in mine:
             for name, ce in runs.items():
                 if name != "dense":
-                    g = gaps(ce, runs["dense"])
-                    sparse.append((max(g, key=abs), g[-1]))
-                    print(f"| {label} {name} | {max(g, key=abs):+.2%} | {g[-1]:+.2%} |")
+                    worst, last = gaps(ce, runs["dense"])
+                    sparse.append((worst, last))
+                    print(f"| {label} {name} | {worst:+.2%} | {last:+.2%} |")
         finals = {kind: [runs[n][100] for _, runs in mine for n in runs if (n == "dense") == (kind == "dense")]
                   for kind in ("dense", "sparse")}  # fmt: skip
         print(

@@ -163,9 +163,12 @@ class FlakyFiles:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
                 self.end_headers()
                 if body:
-                    self.wfile.write(data[start:end])
+                    # counted before the write: a client that has read every byte must see them counted
+                    # (counted after, a loaded machine let the test read the total before this thread
+                    # added the last file's bytes, and gave them to the next rank)
                     with lock:
                         files.bytes_served += end - start
+                    self.wfile.write(data[start:end])
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -100,6 +100,26 @@ def _gather_dicts(local: dict, info: DistInfo) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
+def _saved_part(path: Path, prefix: str, template: dict) -> dict:
+    """The entries of a nested state template that the checkpoint at `path` holds (DCP names them
+    "prefix.key.subkey"). The trainer's own state grows new entries over time (a new clock, a new
+    counter): a checkpoint written before one existed still resumes, and the new entry keeps the
+    owner's fallback (its load_state_dict reads it with .get)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+    def keep(node: dict, name: str) -> dict:
+        out = {}
+        for key, value in node.items():
+            full = f"{name}.{key}"
+            if isinstance(value, dict):
+                out[key] = keep(value, full)
+            elif full in saved:
+                out[key] = value
+        return out
+
+    return keep(template, prefix)
+
+
 class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike, keep_last: int, info: DistInfo, run_config: dict | None = None
@@ -196,7 +216,7 @@ class Checkpointer:
         manifest = self.verify(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.check_model_fits(path, model_sd)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer_state)}
+        state = {"model": model_sd, "optim": optim_sd, "trainer": _saved_part(path, "trainer", trainer_state)}
         with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

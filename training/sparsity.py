@@ -31,7 +31,8 @@ class ActivityTracker:
 
     Two horizons: the log window (means, maxima, overflow, units that fired at least once, units
     re-initialised) which `read()` reduces over ranks and resets; and per unit the tokens since it
-    last fired (all ranks together), which decides which units are dead after each step.
+    last fired (all ranks together), which decides which units are dead after each step, and the
+    tokens since its gate row was last re-drawn, which spaces re-draws a window apart (`reinit_due`).
     """
 
     def __init__(self, n_layers: int, d_ff: int, device: torch.device, dead_window_tokens: int):
@@ -41,7 +42,9 @@ class ActivityTracker:
         self.step_fires = zeros(torch.int32, n_layers, d_ff)
         self.step_tokens = 0  # this rank, this step (a host int: shapes are known on the host)
         self.tokens_since_fire = zeros(torch.int64, n_layers, d_ff)
+        self.tokens_since_reinit = zeros(torch.int64, n_layers, d_ff)  # never re-drawn: since the start
         self.dead = zeros(torch.bool, n_layers, d_ff)
+        self.window = dead_window_tokens  # the last step's window in tokens
         # log window
         self.active_sum = zeros(torch.float64, n_layers)  # sum over tokens of active units
         self.active_max = zeros(torch.float32, n_layers)
@@ -71,12 +74,24 @@ class ActivityTracker:
         fired = self.step_fires > 0
         step_tokens = self.step_tokens * world_size  # every rank runs the same number of tokens
         self.tokens_since_fire.add_(step_tokens).masked_fill_(fired, 0)
-        window = self.dead_window_tokens or step_tokens
-        torch.ge(self.tokens_since_fire, window, out=self.dead)
+        self.tokens_since_reinit.add_(step_tokens)
+        self.window = self.dead_window_tokens or step_tokens
+        torch.ge(self.tokens_since_fire, self.window, out=self.dead)
         self.fired_in_window |= fired
         self.step_fires.zero_()
         self.step_tokens = 0
         return self.dead
+
+    def reinit_due(self) -> torch.Tensor:
+        """The dead units whose gate rows are to be re-drawn now, their re-draw clocks restarted: dead, and
+        not re-drawn within the last window. A re-drawn unit gets a whole window of tokens to fire before
+        it is re-drawn again, so a unit that stays silent is re-drawn once per window whatever the step
+        size, as at the paper's step of one window (1M tokens). Without the spacing, 16k-token steps
+        re-drew a silent unit at every step once its first window had passed: 64 blends towards noise
+        per million tokens instead of one."""
+        due = self.dead & (self.tokens_since_reinit >= self.window)
+        self.tokens_since_reinit.masked_fill_(due, 0)
+        return due
 
     def route_mean(self) -> torch.Tensor:
         """Mean active units per token per layer since the last call, over all ranks (float32 [L])."""
@@ -126,11 +141,17 @@ class ActivityTracker:
         return record
 
     def state_dict(self) -> dict:
-        # The dead-unit clock survives a resume; the log window restarts empty.
-        return {"tokens_since_fire": self.tokens_since_fire.cpu(), "dead": self.dead.cpu()}
+        # The dead-unit clocks survive a resume; the log window restarts empty.
+        return {
+            "tokens_since_fire": self.tokens_since_fire.cpu(),
+            "tokens_since_reinit": self.tokens_since_reinit.cpu(),
+            "dead": self.dead.cpu(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens_since_fire.copy_(state["tokens_since_fire"])
+        # A checkpoint from before the re-draw clock: as if no row had been re-drawn in its last window.
+        self.tokens_since_reinit.copy_(state.get("tokens_since_reinit", state["tokens_since_fire"]))
         self.dead.copy_(state["dead"])
 
 

@@ -568,12 +568,12 @@ class Trainer:
 
     def _end_step_sparsity(self) -> None:
         """After the optimizer step: the activity window, dead units' re-initialisation, FFN routing."""
-        dead = self.tracker.end_step(self.info.world_size)
+        self.tracker.end_step(self.info.world_size)
         scfg = self.job.sparsity
         if scfg.reinit_dead and self.step % scfg.reinit_period == 0:
             self.tracker.reinit_units += reinit_dead_gate_rows(
                 [ffn.w_gate for ffn in self.ffns],
-                dead,
+                self.tracker.reinit_due(),
                 self.step,
                 self.job.train.seed,
                 scfg.reinit_lambda,

@@ -2,6 +2,7 @@
 patterns, gate-row re-initialisation (exact rows, right statistics, identical on 2 gloo ranks, and
 under FSDP2 equal to the unsharded one), and a real tiny run that a strong L1 makes sparser."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -71,10 +72,12 @@ def test_dead_window_counts_tokens_across_step_sizes_and_a_resume():
     sizes = [16, 48, 16, 64, 32]  # tokens per step
 
     def run(tracker, steps):
-        return [
-            tracker.add(stats(f, [1.0], [1.0], n, overflow=(0,))) or tracker.end_step(world_size=1).clone()
-            for f, n in steps
-        ]
+        deads = []
+        for f, n in steps:
+            tracker.add(stats(f, [1.0], [1.0], n, overflow=(0,)))
+            deads.append(tracker.end_step(world_size=1).clone())
+            tracker.reinit_due()  # the trainer's re-draw after each step: its clock is state too
+        return deads
 
     whole = ActivityTracker(n_layers=1, d_ff=4, device=torch.device("cpu"), dead_window_tokens=64)
     deads = run(whole, zip(fires, sizes))
@@ -91,6 +94,42 @@ def test_dead_window_counts_tokens_across_step_sizes_and_a_resume():
     resumed.load_state_dict(first.state_dict())
     assert [d.tolist() for d in run(resumed, list(zip(fires, sizes))[2:])] == [d.tolist() for d in deads[2:]]
     assert torch.equal(resumed.tokens_since_fire, whole.tokens_since_fire)
+    assert torch.equal(resumed.tokens_since_reinit, whole.tokens_since_reinit)
+    # A state saved before the re-draw clock existed resumes as if no row had been re-drawn in its window.
+    old = {k: v for k, v in first.state_dict().items() if k != "tokens_since_reinit"}
+    resumed.load_state_dict(old)
+    assert torch.equal(resumed.tokens_since_reinit, first.tokens_since_fire)
+
+
+@pytest.mark.parametrize(
+    "sizes, unit1_due, unit2_due",
+    [
+        ([16] * 16, [80, 144, 208], [112, 176, 240]),
+        ([64] * 4, [128, 192, 256], [64, 128, 256]),
+        ([32, 8, 24, 64, 40, 24, 64], [128, 192, 256], [128, 192, 256]),
+    ],
+    ids=["16", "64", "mixed"],
+)
+def test_a_silent_unit_is_redrawn_once_per_window_whatever_the_step_size(sizes, unit1_due, unit2_due):
+    """Over 256 tokens and a 64-token window: unit 0 never fires and is due at 64, 128, 192 and 256 tokens
+    however the tokens fall into steps (one re-draw per window of silence, not one per step once dead),
+    and counts as dead at every step in between; unit 1 fires in the first step, unit 2 in the third,
+    each due a window after its fire and then a window after each re-draw."""
+    tracker = ActivityTracker(n_layers=1, d_ff=3, device=torch.device("cpu"), dead_window_tokens=64)
+    due_at, dead_at, seen = {0: [], 1: [], 2: []}, [], 0
+    for i, n in enumerate(sizes):
+        fires = [[0, int(i == 0), int(i == 2)]]
+        tracker.add(stats(fires, [1.0], [1.0], n, overflow=(0,)))
+        dead = tracker.end_step(world_size=1).clone()
+        seen += n
+        due = tracker.reinit_due()
+        assert not (due & ~dead).any()  # only dead units are due
+        for unit in due[0].nonzero().flatten().tolist():
+            due_at[unit].append(seen)
+        if dead[0, 0]:
+            dead_at.append(seen)
+    assert due_at == {0: [64, 128, 192, 256], 1: unit1_due, 2: unit2_due}
+    assert dead_at == [end for end in itertools.accumulate(sizes) if end >= 64]
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])

@@ -153,6 +153,23 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(reference_run, tmp
         checkpointer.load_latest(trainer.model, trainer.optimizer, trainer._trainer_state())
 
 
+def test_a_checkpoint_without_a_newer_trainer_entry_still_resumes(reference_run, tmp_path):
+    """The trainer's state grows entries over time (the re-draw clock came after the fire clock): a
+    checkpoint written before one existed loads everything it holds, and the entry it lacks is left out
+    for its owner's fallback, not an error."""
+    overrides, ref_dir, _ = reference_run
+    trainer = train.build_trainer(compose_job([*overrides, f"run_dir={tmp_path}"]))
+    checkpointer = Checkpointer(tmp_path, keep_last=0, info=trainer.info)
+    template = trainer._trainer_state()
+    template["tracker"]["a_later_clock"] = torch.zeros(3)
+    state, _ = checkpointer.load(
+        ref_dir / "checkpoints" / "step_00000008", trainer.model, trainer.optimizer, template
+    )
+    assert state["step"] == 8 and "a_later_clock" not in state["tracker"]
+    assert state["tracker"]["tokens_since_reinit"].sum() > 0  # what the checkpoint holds is read
+    assert set(state["tracker"]) == {"tokens_since_fire", "tokens_since_reinit", "dead"}
+
+
 def test_partial_checkpoint_is_refused_with_its_reason(tmp_path):
     (tmp_path / "step_00000003").mkdir()
     checkpointer = Checkpointer(tmp_path, 1, DistInfo(0, 0, 1, torch.device("cpu")))

@@ -165,13 +165,15 @@ def estimate_training_memory(
     cfg, micro_batch: int, seq_len: int, *, activation_checkpointing: bool, sparse_ffn: bool,
     world_size: int = 1, sharded: bool = False, bf16: bool = True, grad_accum: int = 1,
     reshard_after_forward: str = "auto", prefetch: int = 1, keep_ffn_state: bool = False,
-    compiled: bool = False,
+    compiled: bool = False, bucket_views: bool = True,
 ) -> MemoryEstimate:  # fmt: skip
     """The peak of one training step on one GPU; `cfg` a ModelConfig; `sharded`: FSDP2 over world_size
     processes (one included), else one process or DDP; bf16: bf16 autocast / FSDP2's bf16 gathers;
     grad_accum, reshard_after_forward and prefetch as train.* has them (the last two: FSDP2 only);
     keep_ffn_state: checkpointed sparse blocks keep their FFN's sparse state (compiled blocks do);
-    compiled: the blocks go through torch.compile (what they save: block_activation_bytes_per_token)."""
+    compiled: the blocks go through torch.compile (what they save: block_activation_bytes_per_token);
+    bucket_views: DDP's gradients are views into its all-reduce buckets (the trainer's default; not under
+    CUDA graphs), else the buckets are a second fp32 copy."""
     n_params = cfg.num_params()
     shard = world_size if sharded else 1
     state = 4 * n_params // shard
@@ -180,9 +182,12 @@ def estimate_training_memory(
     if sharded and grad_accum > 1:
         grads += 4 * n_params  # unsharded fp32 gradients accumulated between micro-batches
         held_grads = grads
-    elif not sharded and world_size > 1:
-        grads += 4 * n_params  # DDP's all-reduce buckets (allocated once, kept)
-        held_grads += 4 * n_params
+    elif not sharded and world_size > 1:  # DDP's all-reduce buckets: allocated once, kept through the forward
+        if bucket_views:  # .grad is a view into them: one copy, alive all the time
+            held_grads = grads
+        else:  # besides .grad
+            grads += 4 * n_params
+            held_grads += 4 * n_params
     compute_bytes = 2 if bf16 else 4
     if sharded:
         root = root_params(cfg)
@@ -221,6 +226,7 @@ def job_settings(job, world_size: int, sharded: bool) -> dict:
         bf16=tcfg.precision != "fp32", grad_accum=tcfg.grad_accum(world_size),
         reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
         keep_ffn_state=compiled and compiled_selective_checkpointing(), compiled=compiled,
+        bucket_views=not tcfg.cuda_graph,
     )  # fmt: skip
 
 

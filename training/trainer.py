@@ -270,9 +270,13 @@ class Trainer:
             with self._on_graph_stream():
                 # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
                 # broadcasting them every forward would be a wasted collective.
+                # The gradients are views into DDP's all-reduce buckets: one fp32 copy of them, not two
+                # (6 GB less at 1.5b), and no copy into and out of the buckets each step. Not under CUDA
+                # graphs: the graph keeps its own static gradients, which a redo through DDP would rebind.
                 self.forward_model = DistributedDataParallel(
                     self.model,
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    gradient_as_bucket_view=not tcfg.cuda_graph,
                     **_no_buffer_sync(),
                 )
         self.optimizer = build_optimizer(self.model, job.optim, self.device)

@@ -32,15 +32,17 @@ def test_state_is_sixteen_bytes_a_parameter_and_fsdp_shards_it():
 
 def test_compute_weights_and_gradients_under_each_parallel_mode():
     """bf16 autocast keeps a bf16 copy of every weight; FSDP2 gathers the root in fp32 (plus the head's
-    bf16 cast) and the blocks at the peak in bf16; DDP holds its gradients twice; FSDP2 accumulating over
-    micro-batches holds unsharded fp32 gradients."""
+    bf16 cast) and the blocks at the peak in bf16; DDP's gradients are views into its all-reduce buckets
+    (held twice without them: train.cuda_graph); FSDP2 accumulating over micro-batches holds unsharded fp32
+    gradients."""
     n, layers = PAPER_1P5B.num_params(), PAPER_1P5B.n_layers
     root = root_params(PAPER_1P5B)
     assert root == 49152 * 2048 + 2048
     block = (n - root) // layers
     plain = estimate()
     assert plain.compute_weights == 2 * n and estimate(bf16=False).compute_weights == 0
-    assert estimate(world_size=8).grads == 2 * plain.grads  # DDP: .grad and the all-reduce buckets
+    assert estimate(world_size=8).grads == plain.grads  # DDP: .grad is a view into the all-reduce buckets
+    assert estimate(world_size=8, bucket_views=False).grads == 2 * plain.grads  # .grad and the buckets
     fsdp = estimate(world_size=8, sharded=True)
     head_cast = 2 * 49152 * 2048
     assert fsdp.compute_weights == 4 * root + head_cast + 2 * 2 * block  # the block computed, one prefetched
@@ -63,10 +65,12 @@ def test_job_settings_follow_the_train_config():
     assert settings == {
         "sparse_ffn": True, "world_size": 2, "sharded": True, "bf16": False,
         "grad_accum": job.train.grad_accum(2), "reshard_after_forward": "false", "prefetch": 2,
-        "keep_ffn_state": True, "compiled": True,
+        "keep_ffn_state": True, "compiled": True, "bucket_views": True,
     }  # fmt: skip
     eager = compose_job(["experiment=paper_0.5b", "train.compile=false"])
     assert job_settings(eager, 1, False)["keep_ffn_state"] is False
+    graphed = compose_job(["experiment=paper_0.5b", "train.compile=false", "train.cuda_graph=true"])
+    assert job_settings(graphed, 2, False)["bucket_views"] is False  # the graph keeps its own gradients
 
 
 def test_compiled_blocks_keep_no_ffn_state_where_torch_cannot_compile_the_policy(monkeypatch):
@@ -176,8 +180,13 @@ def test_the_peak_is_the_larger_of_the_forward_and_backward_moments():
     accumulating = estimate(grad_accum=4)
     assert accumulating.grads_in_forward == accumulating.grads
     assert accumulating.total == plain.total + accumulating.grads
-    ddp = estimate(world_size=8)
-    assert ddp.grads_in_forward == 4 * PAPER_1P5B.num_params()  # its buckets; .grad is freed
+    for bucket_views in (
+        True,
+        False,
+    ):  # the buckets are kept through the forward; .grad is freed (or in them)
+        ddp = estimate(world_size=8, bucket_views=bucket_views)
+        assert ddp.grads_in_forward == 4 * PAPER_1P5B.num_params()
+        assert ddp.total == plain.total + ddp.grads_in_forward
     # A tiny vocabulary and micro-batch: the backward moment (every gradient) is the larger one.
     small = estimate_training_memory(
         ModelConfig(vocab_size=256, d_model=512, n_layers=2, n_heads=8, d_ff=1024), 1, 16,

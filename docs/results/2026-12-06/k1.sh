@@ -11,11 +11,11 @@ echo "setup $(( $(date +%s) - t0 )) s"; nvidia-smi --query-gpu=name --format=csv
 tests=(tests/kernels/test_fast_launch.py tests/kernels/training/test_train.py tests/kernels/test_reinit.py)
 timeout 150 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" > $OUT/gpu_tests.txt 2>&1
 echo "gpu tests rc $? t $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests.txt | head -12
-timeout 80 python3 docs/results/2026-12-05-f/host_split2.py $OUT/host_split2.json > $OUT/host_split2.txt 2>&1; echo "host split rc $?"
+[ "${SPLIT:-1}" = 0 ] || timeout 80 python3 docs/results/2026-12-05-f/host_split2.py $OUT/host_split2.json > $OUT/host_split2.txt 2>&1; echo "host split rc $?"
 python3 -c "import json; r=json.load(open('$OUT/host_split2.json')); print({k: v for k, v in r.items() if not k.endswith('_ops')})" 2>&1 | head -20
 echo "t $(( $(date +%s) - t0 )) s"
-left=$(( 540 - ($(date +%s) - t0) ))
-timeout $left python3 scripts/race.py --out /tmp/r1.5b --settle 50 --repeats 2 -- experiment=paper_1.5b $RACE_16K train.steps=100 > $OUT/race_1.5b.txt 2>&1
+left=$(( ${TOTAL:-530} - ($(date +%s) - t0) ))
+timeout -k 15 $left python3 scripts/race.py --out /tmp/r1.5b --settle 50 --repeats 2 -- experiment=paper_1.5b $RACE_16K train.steps=100 > $OUT/race_1.5b.txt 2>&1
 rc=$?; echo "race 1.5b rc $rc t $(( $(date +%s) - t0 )) s"
 [ $rc -eq 0 ] || python3 scripts/race.py --out /tmp/r1.5b --settle 50 --repeats 2 --no-run >> $OUT/race_1.5b.txt 2>&1
 tail -14 $OUT/race_1.5b.txt

@@ -308,7 +308,10 @@ def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def commit_of(root: Path) -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    """The checkout's commit, "-dirty" when its tracked files differ from it (a run of uncommitted code)."""
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=root, capture_output=True, text=True
+    )
     return out.stdout.strip() or "unknown"
 
 

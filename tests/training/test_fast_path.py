@@ -214,6 +214,25 @@ def test_race_refuses_a_variant_named_like_a_repeat(tmp_path, capsys):
         race.main(["--out", str(tmp_path), "--repeats", "0"])
 
 
+def test_race_records_a_run_of_uncommitted_code_as_dirty(tmp_path):
+    """The commit a race table names is the checkout's, marked when its tracked files differ from it."""
+    import subprocess
+
+    import race
+
+    git = lambda *a: subprocess.run(
+        ["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True
+    )
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "--short=7", "HEAD").stdout.strip()
+    assert race.commit_of(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b")
+    assert race.commit_of(tmp_path) == f"{head}-dirty"
+
+
 def test_a_sparse_block_compiles_without_a_graph_break():
     """Under the trainer's compile settings the TwELL op stays inside the block's graph (its entry count
     is a data-dependent size); a graph break would split every sparse block and recompile its pieces."""

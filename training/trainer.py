@@ -268,15 +268,16 @@ class Trainer:
                 self._graph_stream = torch.cuda.Stream(self.device)
                 self._graph_stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._on_graph_stream():
-                # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
-                # broadcasting them every forward would be a wasted collective.
-                # The gradients are views into DDP's all-reduce buckets: one fp32 copy of them, not two
-                # (6 GB less at 1.5b), and no copy into and out of the buckets each step. Not under CUDA
-                # graphs: the graph keeps its own static gradients, which a redo through DDP would rebind.
                 self.forward_model = DistributedDataParallel(
                     self.model,
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    # The gradients are views into the all-reduce buckets: one fp32 copy of them, not two
+                    # (6 GB less at 1.5b), and no copy into and out of the buckets each step. Not under
+                    # CUDA graphs: the graph keeps its own static gradients, which a redo through DDP
+                    # would rebind.
                     gradient_as_bucket_view=not tcfg.cuda_graph,
+                    # Buffers (RoPE tables, routing flags) are identical on every rank by construction:
+                    # broadcasting them every forward would be a wasted collective.
                     **_no_buffer_sync(),
                 )
         self.optimizer = build_optimizer(self.model, job.optim, self.device)

@@ -128,6 +128,9 @@ class PackedStream:
             "reader": self.reader.state_dict(),
             "buffers": [buffer.state_dict() for buffer in self._buffers],
             "next_lane": self._next_lane,
+            # the mean document length so far sizes each read: restored, the readers advance after a
+            # resume exactly as in the unbroken run (and cross their epoch ends at the same batches)
+            "seen": [self._docs_seen, self._tokens_seen],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -141,6 +144,7 @@ class PackedStream:
         for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
             buffer.load_state_dict(tokens)
         self._next_lane = state["next_lane"]
+        self._docs_seen, self._tokens_seen = state.get("seen", (0, 0))  # absent from older states
 
     def _deal_lanes(self, states: list[dict[str, Any]]) -> None:
         mine = _saved_lanes(states, self.layout)[self.first_lane : self.first_lane + len(self._buffers)]
@@ -267,6 +271,9 @@ class LaneStream:
             "readers": [reader.state_dict() for reader in self.readers],
             "buffers": [buffer.state_dict() for buffer in self._buffers],
             "next_lane": self._next_lane,
+            # the mean document length so far sizes each read: restored, the readers advance after a
+            # resume exactly as in the unbroken run (and cross their epoch ends at the same batches)
+            "seen": [self._docs_seen, self._tokens_seen],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,6 +292,7 @@ class LaneStream:
         for buffer, tokens in zip(self._buffers, state["buffers"], strict=True):
             buffer.load_state_dict(tokens)
         self._next_lane = state["next_lane"]
+        self._docs_seen, self._tokens_seen = state.get("seen", (0, 0))  # absent from older states
 
 
 def _docs_to_read(tokenize_batch: int, docs_seen: int, tokens_seen: int, deficit: int, lanes: int) -> int:

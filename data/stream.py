@@ -128,9 +128,7 @@ class PackedStream:
             "reader": self.reader.state_dict(),
             "buffers": [buffer.state_dict() for buffer in self._buffers],
             "next_lane": self._next_lane,
-            # the mean document length so far sizes each read: restored, the readers advance after a
-            # resume exactly as in the unbroken run (and cross their epoch ends at the same batches)
-            "seen": [self._docs_seen, self._tokens_seen],
+            "seen": [self._docs_seen, self._tokens_seen],  # they size each read: _docs_to_read
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,9 +269,7 @@ class LaneStream:
             "readers": [reader.state_dict() for reader in self.readers],
             "buffers": [buffer.state_dict() for buffer in self._buffers],
             "next_lane": self._next_lane,
-            # the mean document length so far sizes each read: restored, the readers advance after a
-            # resume exactly as in the unbroken run (and cross their epoch ends at the same batches)
-            "seen": [self._docs_seen, self._tokens_seen],
+            "seen": [self._docs_seen, self._tokens_seen],  # they size each read: _docs_to_read
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -297,7 +293,9 @@ class LaneStream:
 
 def _docs_to_read(tokenize_batch: int, docs_seen: int, tokens_seen: int, deficit: int, lanes: int) -> int:
     """Documents to read and tokenize at once: enough to cover `deficit` tokens in each of `lanes` lanes at
-    the mean document length seen so far, at most tokenize_batch (all of it before any is seen), at least 1."""
+    the mean document length seen so far, at most tokenize_batch (all of it before any is seen), at least 1.
+    The two counts are part of a stream's saved state ("seen"): restored, the readers advance after a resume
+    exactly as in the unbroken run and cross their epoch ends at the same batches."""
     if not docs_seen:
         return max(1, tokenize_batch)
     per_doc = max(1.0, tokens_seen / docs_seen)

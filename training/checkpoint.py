@@ -100,12 +100,11 @@ def _gather_dicts(local: dict, info: DistInfo) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def _saved_part(path: Path, prefix: str, template: dict) -> dict:
-    """The entries of a nested state template that the checkpoint at `path` holds (DCP names them
-    "prefix.key.subkey"). The trainer's own state grows new entries over time (a new clock, a new
-    counter): a checkpoint written before one existed still resumes, and the new entry keeps the
-    owner's fallback (its load_state_dict reads it with .get)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _saved_part(saved: dict, prefix: str, template: dict) -> dict:
+    """The entries of a nested state template that a checkpoint holds (`saved`: its DCP metadata's
+    state_dict_metadata, which names them "prefix.key.subkey"). The trainer's own state grows new entries
+    over time (a new clock, a new counter): a checkpoint written before one existed still resumes, and the
+    new entry keeps the owner's fallback (its load_state_dict reads it with .get)."""
 
     def keep(node: dict, name: str) -> dict:
         out = {}
@@ -215,8 +214,14 @@ class Checkpointer:
         `trainer_state` is a template with the keys to read (DCP loads in place)."""
         manifest = self.verify(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        self.check_model_fits(path, model_sd)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": _saved_part(path, "trainer", trainer_state)}
+        with quiet_single_process():
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self.check_model_fits(path, model_sd, saved)
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "trainer": _saved_part(saved, "trainer", trainer_state),
+        }
         with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -237,14 +242,13 @@ class Checkpointer:
         rng = saved[self.info.rank % saved_world]["rng"]
         return {"data": {SAVED_RANKS: [state["data"] for state in saved]}, "rng": rng}
 
-    def check_model_fits(self, path: Path, model_sd: dict) -> None:
-        """Raise ModelMismatchError when the checkpoint's model tensors differ from the model's in
-        names or shapes, naming the model config fields that differ (from the checkpoint's config.yaml)."""
-        with quiet_single_process():
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    def check_model_fits(self, path: Path, model_sd: dict, metadata: dict) -> None:
+        """Raise ModelMismatchError when the checkpoint's model tensors (`metadata`: its DCP
+        state_dict_metadata) differ from the model's in names or shapes, naming the model config fields
+        that differ (from the checkpoint's config.yaml)."""
         saved = {
             key.removeprefix("model."): tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
+            for key, meta in metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")
         }
         wanted = {key: tuple(value.shape) for key, value in model_sd.items() if hasattr(value, "shape")}

@@ -180,10 +180,8 @@ def test_the_peak_is_the_larger_of_the_forward_and_backward_moments():
     accumulating = estimate(grad_accum=4)
     assert accumulating.grads_in_forward == accumulating.grads
     assert accumulating.total == plain.total + accumulating.grads
-    for bucket_views in (
-        True,
-        False,
-    ):  # the buckets are kept through the forward; .grad is freed (or in them)
+    # DDP's buckets are kept through the forward; .grad is freed (or is a view into them)
+    for bucket_views in (True, False):
         ddp = estimate(world_size=8, bucket_views=bucket_views)
         assert ddp.grads_in_forward == 4 * PAPER_1P5B.num_params()
         assert ddp.total == plain.total + ddp.grads_in_forward

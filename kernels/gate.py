@@ -121,14 +121,16 @@ def launch_gate(
     _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, epilogue, dense, zero)
 
 
-def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots):
+def _dense_pass(x, w_gate, h, counts, cols, vals, tile_n, slots, bits=None):
     """Two-kernel path, first pass: dense relu GEMM into h; with compact "bits" (set_gate_variant, the
-    default) it also returns the positive bitmask [M, F // 32] for _compact_bits_kernel, else None."""
+    default) it also returns the positive bitmask [M, F // 32] for _compact_bits_kernel (written into
+    `bits` when given), else None."""
     M, F = h.shape
     if (_variant["compact"] or "bits") == "scan":
         _launch_gemm(x, w_gate, counts, cols, vals, tile_n, slots, "dense", h)
         return None
-    bits = torch.empty((M, F // 32), dtype=torch.int32, device=h.device)
+    if bits is None:
+        bits = torch.empty((M, F // 32), dtype=torch.int32, device=h.device)
     if _bits_gemm(x, w_gate, h) == "persistent":
         launch_relu_bits_persistent(x, w_gate, h, bits)
         return bits
@@ -204,18 +206,30 @@ def _twell_gate(x, w_gate, slots, tile_n, zero=None) -> TwELLGate:
     return TwELLGate(counts, cols, vals, tile_n, slots)
 
 
-def relu_gate_bits(x: torch.Tensor, w_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def relu_gate_bits(
+    x: torch.Tensor, w_gate: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = relu(x @ w_gate^T) [M, F] in x's dtype, its positive bitmask int32 [M, F // 32]) from one
     GEMM (the dense_bits epilogue): the first pass of the training op's gate (kernels/training/train_format.py
-    compacts it into a CSR). F must be a multiple of 32."""
+    compacts it into a CSR). F must be a multiple of 32. `out`: (h, bits) buffers of those shapes to write
+    into (the training op's graphed forward keeps one pair per shape for all layers)."""
     check_x_weight(x, w_gate, "w_gate")
     check_kernel_device(x)
     M, F = x.shape[0], w_gate.shape[0]
     if F % 32:
         raise ValueError(f"d_ff={F} must be a multiple of 32 for the gate's bitmask")
     tile_n, slots = _format(M, F, None, None)
-    h = torch.empty((M, F), dtype=x.dtype, device=x.device)
-    bits = _dense_pass(x, w_gate, h, h, h, h, tile_n, slots)  # counts/cols/vals: unused by these epilogues
+    if out is not None:
+        h, bits = out
+        if h.shape != (M, F) or h.dtype != x.dtype or bits.shape != (M, F // 32) or bits.dtype != torch.int32:
+            raise ValueError(
+                f"relu_gate_bits out=: h must be [{M}, {F}] {x.dtype} and bits [{M}, {F // 32}] int32, got "
+                f"{tuple(h.shape)} {h.dtype} and {tuple(bits.shape)} {bits.dtype}"
+            )
+    else:
+        h, bits = torch.empty((M, F), dtype=x.dtype, device=x.device), None
+    # counts/cols/vals: unused by these epilogues
+    bits = _dense_pass(x, w_gate, h, h, h, h, tile_n, slots, bits=bits)
     return h, pack_positive_bits(h) if bits is None else bits
 
 

@@ -61,6 +61,7 @@ from twell.kernels.training.train import (
     set_streams,
     twell_ffn,
 )
+from twell.kernels.training.train_graph import graph_stats, set_graphs
 
 TRAIN_TOKENS = (16384, 65536)
 SYNTHETIC = "synthetic"  # the `source` of rows on kernels/synthetic.py inputs
@@ -219,23 +220,27 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     sizes = getattr(args, "sizes", None) or ["estimate"]
     streams = getattr(args, "streams", None) or ["auto"]
     modes = ["eager"] + (["compiled"] if getattr(args, "twell_compile", False) else [])
+    op_graphs = getattr(args, "op_graphs", None) or ["on"]
     impls += [
         (
             f"twell_{v}"
             + (f"_h{k}" if k else "")
             + ("" if z == "estimate" else f"_{z}")
             + {"auto": "", "on": "_two_streams", "off": "_one_stream"}[st]
+            + ("" if g == "on" else "_no_op_graphs")
             + ("" if c == "eager" else "_compiled"),
             _twell_y_l1 if c == "eager" else _compiled_twell(),
             v,
             k,
             z,
             st,
+            g,
         )
         for v in variants
         for k in hots
         for z in sizes
         for st in streams
+        for g in op_graphs
         for c in modes
     ]
 
@@ -243,7 +248,9 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     for name, fn, variant, hot, *modes in impls:
         with contextlib.ExitStack() as row_scope:
             if variant:
-                size_mode, stream_mode = modes
+                size_mode, stream_mode, graph_mode = modes
+                set_graphs(graph_mode == "on")
+                row_scope.callback(set_graphs, True)
                 set_backward_variant(variant)
                 set_hot_units(hot)
                 set_sizes("estimate" if size_mode == "deferred" else size_mode)
@@ -415,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the hot units' GEMMs on a second CUDA stream only inside a CUDA graph capture (auto, the "
         "default), always (on: rows named *_two_streams) or never (off: *_one_stream); several to compare",
     )  # fmt: skip
+    p.add_argument(
+        "--op-graphs", nargs="*", choices=("on", "off"), default=["on"],
+        help="TwELL's forward replayed from per-layer CUDA graphs (on, the default on a GPU) or issued "
+        "eagerly (off: rows named *_no_op_graphs); both to compare",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one TwELL step")
@@ -441,6 +453,7 @@ def main(argv=None) -> None:
         sys.exit("bench_train.py needs a CUDA GPU")
     args.write_each_shape = True
     rows = run_train_bench(args)
+    print(f"TwELL forwards replayed from per-layer CUDA graphs: {graph_stats()}")
     print("\nall shapes:")
     print_table(rows)
     _write_json(args.out, rows, args)

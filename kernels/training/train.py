@@ -45,6 +45,7 @@ from ..gate import relu_gate_bits
 from ..inference.inference import default_hot_units
 from ..reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
+from .train_graph import drop_graphs, eligible, fit_entries, graphed_forward
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy, tune_length_buckets
@@ -221,8 +222,10 @@ def deferred_sizes():
 def forget_sizes(layers) -> None:
     """Drop the entry-count history of these layers (their w_gate tensors): their next calls are sized
     exactly. For a pass whose activity says nothing about the next ones (a warm-up on random inputs)."""
+    layers = list(layers)
     for key in layers:
         _capacities.pop(key, None)
+    drop_graphs(layers)
 
 
 def oversized(capacity: int, entries: int) -> bool:
@@ -350,7 +353,13 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     if capacity and mode in ("static", "deferred"):  # fixed size, never read back
         deferred = _deferred if mode == "deferred" else None
         return _forward(x, w_gate, w_up, w_down, K, capacity, static=True, deferred=deferred, key=key)
-    out = _forward(x, w_gate, w_up, w_down, K, capacity) if capacity else None  # None: it did not fit
+    if capacity and mode == "estimate" and eligible(x):  # replayed from the layer's CUDA graphs
+        out = graphed_forward(
+            (x, w_gate, w_up, w_down), key, K, capacity, (_pattern_stage, _product_stage),
+            lambda cap: _forward(x, w_gate, w_up, w_down, K, cap),
+        )  # fmt: skip
+    else:
+        out = _forward(x, w_gate, w_up, w_down, K, capacity) if capacity else None  # None: it did not fit
     if out is None:
         out = _forward(x, w_gate, w_up, w_down, K, None)
     # The next call's capacity: this call's count plus a margin (static calls keep theirs).
@@ -379,11 +388,28 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, 
     list keeps its unused slots (zero gates: no contribution) and a call whose entries did not fit
     adds 1 to static_misses(). `deferred` (a list, with `static`): the call's (key, (M, K), capacity,
     true entry count on the device) is appended to it instead, for DeferredSizes.settle."""
-    # The dense gate GEMM writes relu(x w_gate^T) and its positive bitmask; every unit's positives over
-    # the batch are counted from the bitmask (unit_fires, and the hot units' choice).
-    h, bits = relu_gate_bits(x, w_gate)
+    stage = _pattern_stage(x, w_gate, K, capacity, static)
+    out = _product_stage(x, w_gate, w_up, w_down, K, stage)
+    pat = stage[3]
+    if deferred is not None:
+        deferred.append((key, (x.shape[0], K), capacity, pat.totals[1:]))
+    elif static:
+        static_misses(x.device).add_(pat.totals[1] > capacity)
+        if _static_sizes is not None:
+            _static_sizes.append((capacity, pat.totals[1:]))
+    elif pat.pending is not None:
+        return fit_entries(out, pat.pending.read(), capacity)
+    return out
+
+
+def _pattern_stage(x, w_gate, K, capacity, static, work=None):
+    """The forward up to the entry list: the dense gate GEMM writes relu(x w_gate^T) and its positive
+    bitmask, every unit's positives over the batch are counted from the bitmask (unit_fires, and the hot
+    units' choice), the hot columns go to g_hot (dense) and the cold ones to the CSR. Returns (fires,
+    hot_idx, g_hot, pattern). `work`: (h, bits) buffers for the dense gate (op_graph's shared ones)."""
+    h, bits = relu_gate_bits(x, w_gate, out=work)
     fires = count_fires(bits)
-    if K:  # hot columns go to g_hot (dense), the cold ones to the CSR
+    if K:
         hot_idx, split = hot_split(fires, K, x)
         g_hot = split[2]
     else:
@@ -392,8 +418,14 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, 
         split = None
     # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
-    pat = build_pattern(h, bits, split, capacity, static=static)
-    del h, bits, split  # the dense gate values are in the CSR and g_hot now
+    return fires, hot_idx, g_hot, build_pattern(h, bits, split, capacity, static=static)
+
+
+def _product_stage(x, w_gate, w_up, w_down, K, stage, y_out=None, h_hot_out=None):
+    """The forward from the entry list on: u at the entries, y and the L1 term, the hot units' dense
+    share. Returns the forward's outputs (see _forward_sized), the entry list at its capacity.
+    `y_out` / `h_hot_out`: buffers for y and the hot units' h (op_graph's shared ones)."""
+    fires, hot_idx, g_hot, pat = stage
     side = _side_stream(x) if K else None
     if K:
         # The hot units' weight rows, gathered once and saved: [w_gate[hot]; w_up[hot]] serves the
@@ -410,32 +442,22 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, 
             # h = g * u in x's dtype (as a dense FFN rounds it) and sum|h| per row in one pass. u is
             # saved for backward (32 MB at 16k x 1024: one GEMM less than recomputing it).
             torch.mm(x, w_gu[K:].T, out=u_hot)
-            h_hot, l1_hot = hot_forward(g_hot, u_hot)
+            h_hot, l1_hot = hot_forward(g_hot, u_hot, out=h_hot_out)
     else:
         # outputs of a custom op may not alias each other
         u_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
     # The cold entries: u per entry, y and sum |h| per row (rows without entries: 0).
-    up, y, l1_rows = row_ffn_forward(pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, long=pat.long)
+    up, y, l1_rows = row_ffn_forward(
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, long=pat.long, out=y_out
+    )
     if K:  # the hot units' share on top: y += h_hot w_down[hot] (cuBLAS reads y in its epilogue)
         _join(side)
         y.addmm_(h_hot, w_down_hot)
         l1_rows.add_(l1_hot)
-    rows, cols, gate = pat.rows, pat.cols, pat.gate
     l1 = l1_rows.mean()  # the L1 term: sum |h| / M
-    if deferred is not None:
-        deferred.append((key, (x.shape[0], K), capacity, pat.totals[1:]))
-    elif static:
-        static_misses(x.device).add_(pat.totals[1] > capacity)
-        if _static_sizes is not None:
-            _static_sizes.append((capacity, pat.totals[1:]))
-    elif pat.pending is not None:
-        nnz = pat.pending.read()
-        if nnz > capacity:
-            return None
-        rows, cols, gate, up = rows[:nnz], cols[:nnz], gate[:nnz], up[:nnz]
     return (
         y, l1, pat.row_active, fires, pat.totals[0],  # no row overflows the CSR: always 0, on the device
-        pat.row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
+        pat.row_ptr, pat.rows, pat.cols, pat.gate, up, hot_idx, g_hot, u_hot, w_gu, w_down_hot,
     )  # fmt: skip
 
 

@@ -35,10 +35,12 @@ def _hot_forward_kernel(g_ptr, u_ptr, h_ptr, l1_ptr, K: tl.constexpr, BLOCK_K: t
 _HOT_FORWARD = fast(_hot_forward_kernel)
 
 
-def hot_forward(g_hot: torch.Tensor, u_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h_hot [M, K] in g's dtype, sum|h| per row fp32 [M])."""
+def hot_forward(
+    g_hot: torch.Tensor, u_hot: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_hot [M, K] in g's dtype, written into `out` when given; sum|h| per row fp32 [M])."""
     M, K = g_hot.shape
-    h = torch.empty_like(g_hot)
+    h = torch.empty_like(g_hot) if out is None else out
     l1_rows = torch.empty(M, dtype=torch.float32, device=g_hot.device)
     block = min(1024, next_pow2(K)) if not interpreting() else min(64, next_pow2(K))
     _HOT_FORWARD[(M,)](g_hot, u_hot, h, l1_rows, K=K, BLOCK_K=block, num_warps=4)

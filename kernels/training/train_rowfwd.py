@@ -265,19 +265,23 @@ _ROW_FWD = fast(_launch)
 def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
     w_down: torch.Tensor, init: torch.Tensor | None = None, l1_init: torch.Tensor | None = None,
-    long: LongRows | None = None,
+    long: LongRows | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = init + sum over the row's entries of
     gate * u * w_down[col], l1 fp32 [M] = l1_init + sum over the row's entries of |gate * u|); init
     [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous. `long`: the
-    CSR's long rows (build_pattern lists them; computed here when None)."""
+    CSR's long rows (build_pattern lists them; computed here when None). `out`: y's buffer (like x)."""
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
     if cols.numel() == 0:  # no entry (silent rows, or hot units took every positive): nothing to gather
-        y = init.clone() if init is not None else torch.zeros_like(x)
+        y = torch.empty_like(x) if out is None else out
+        if init is not None:
+            y.copy_(init)
+        else:
+            y.zero_()
         l1 = l1_init.clone() if l1_init is not None else x.new_zeros(M, dtype=torch.float32)
         return up, y, l1
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
     long_args, n_long, threshold = _long(row_ptr, long)
     _ROW_FWD[(n_long + M,)](

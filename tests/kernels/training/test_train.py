@@ -569,8 +569,12 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     """The default sizing: a layer's first call is exact (one sync), later calls take the previous
     count plus a margin and check it only after issuing the forward. A fit gives bit-identical results
     to exact sizes; too few slots (or a batch with many more positives) redo the call exactly (right
-    answer) and reset the estimate."""
+    answer) and reset the estimate. (The eager path: per-layer CUDA graphs, on by default on a GPU, are
+    tested in test_train_graph.py.)"""
     import twell.kernels.training.train as kt
+    from twell.kernels.training import train_graph
+
+    monkeypatch.setitem(train_graph._settings, "on", False)
 
     M, D, F = 37, 64, 256
     x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)

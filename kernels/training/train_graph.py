@@ -1,0 +1,281 @@
+"""The training op's forward replayed from CUDA graphs, a pair per layer, in eager and compiled steps.
+
+An eager forward of twell_ffn issues ~7 Triton launches and ~40 PyTorch operators for ~1 ms of GPU work
+at 16k tokens, and its host needs 1.5-1.9 ms to issue them (docs/RESULTS.md: the 1.5b step's forward
+idles 23 ms a step waiting on it). `train.cuda_graph` replays a whole step, but not with torch.compile,
+activation checkpointing or FSDP2. Here each layer's forward is captured once and replayed, whatever runs
+around it: its host cost falls to two graph launches, a copy of the entry count and a few checks.
+
+Two graphs a layer, so that the entry count is read without stalling the GPU (the sizes mode "estimate"
+of train.py): `pattern` runs the gate GEMM, the unit counts, the hot units' choice and the CSR (its last
+kernel writes the true entry count); the host queues the count's copy to pinned memory behind it, then
+`products` (the sampled products, y, the L1 term), and waits for the copy only, while `products` runs.
+A count above the graph's capacity means the results are wrong: the call returns None and its caller
+redoes it exactly, as an eager call that misses its capacity does. Nothing wrong is ever returned.
+
+Sizes. A graph holds a fixed entry capacity: the layer's need (train.py's history: the last count plus
+1/8) plus GRAPH_HEADROOM, so that the count's drift from batch to batch does not recapture; a layer
+captures anew when its need passes the capacity (after a miss) or falls below half of it (activity falls
+as training goes on; a slot costs 16 bytes, no compute, but the memory stays held).
+
+Memory. Each layer's graphs have a private pool holding what the forward returns and saves for backward
+(the entry list at capacity, the hot units' gate and up values and weight rows, the statistics): the
+state an eager step holds from its forward to its backward, held here between steps too. The dense
+transients (the gate's h [M, d_ff] and bitmask, the hot units' h, y) live in buffers shared by every
+layer of one shape (the layers run one after another on one stream), allocated outside the graphs.
+
+Inputs. A graph reads its inputs where they were at capture ("direct"): a call whose x or weights sit
+elsewhere captures anew with that input copied into a shared buffer before each replay ("copied", one
+device copy: ~40 us for x at 16k x 2048 on an H100), which it keeps from then on. Compiled steps
+allocate in the same order every step, so their inputs usually stay put.
+
+y and the saved state come back as fresh tensors on the graph's memory (the small statistics as copies).
+A replay overwrites the previous call's, so a layer replays only once every tensor on them is gone
+(autograd frees the saved state after the backward; y is consumed by the residual add): storage use
+counts say so. A call that finds them alive (two forward
+passes before one backward, a hook keeping y) runs eagerly instead: slower, never wrong.
+
+Off with set_graphs(False) or TWELL_OP_GRAPHS=0; graph_stats() counts captures, replays and fallbacks.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .train_format import PendingTotals
+
+# Capacity of a captured layer over its need: the need is the last count + 1/8 + 2048; the graph keeps
+# half as much again, so a layer recaptures after its count grew by more than ~1/3 since the capture or
+# its need fell below half the capacity.
+GRAPH_HEADROOM = 0.5
+_settings = {"on": os.environ.get("TWELL_OP_GRAPHS", "1") not in ("0", "false", "False", "")}
+_stats = {"captures": 0, "replays": 0, "misses": 0, "busy": 0, "failed": 0}
+_graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key (its w_gate) -> _LayerGraphs
+_shared: dict = {}  # (device, shape, dtype, role) -> buffer shared by the layers of one shape
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def set_graphs(on: bool) -> None:
+    """Replay each layer's forward from CUDA graphs (True, the default on a GPU) or issue it eagerly."""
+    _settings["on"] = bool(on)
+
+
+def graphs_enabled() -> bool:
+    return _settings["on"]
+
+
+def graph_stats() -> dict:
+    """Counts since the process started (or reset_graphs): captures, replays, misses (replays whose
+    entries did not fit, redone exactly), busy (calls that found the previous outputs alive and ran
+    eagerly), failed (layers whose capture failed: eager from then on)."""
+    return dict(_stats)
+
+
+def reset_graphs() -> None:
+    """Drop every captured graph, its memory and the shared buffers, and zero the counts."""
+    _graphs.clear()
+    _shared.clear()
+    for k in _stats:
+        _stats[k] = 0
+
+
+def drop_graphs(layers) -> None:
+    """Drop the graphs of these layers (their w_gate tensors)."""
+    for key in layers:
+        _graphs.pop(key, None)
+
+
+def graph_capacity(need: int) -> int:
+    """The entry capacity a layer is captured with when its eager sizing asks for `need` slots."""
+    return (need + int(need * GRAPH_HEADROOM)) // 1024 * 1024 + 1024
+
+
+def capacity_fits(capacity: int, need: int) -> bool:
+    """Whether a graph of `capacity` slots serves a call that needs `need`: large enough, and not more
+    than twice as large (then it holds memory for nothing: recapture)."""
+    return need <= capacity <= 2 * need
+
+
+def _use_count(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class _Held:
+    """Storages the graphs write and the use counts they have while only this module holds them: a
+    larger count means a tensor from an earlier call still uses one (alive)."""
+
+    def __init__(self, tensors) -> None:
+        self.storages = list({t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}.values())
+        self.storages = [t.untyped_storage() for t in self.storages]  # one Python object each, kept
+        self.baseline = [_use_count(s) for s in self.storages]
+
+    def idle(self) -> bool:
+        return all(_use_count(s) <= n for s, n in zip(self.storages, self.baseline))
+
+
+def _shared_buffer(role: str, shape, dtype, device) -> tuple[Tensor, _Held]:
+    key = (device, tuple(shape), dtype, role)
+    if key not in _shared:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        _shared[key] = (buf, _Held([buf]))
+    return _shared[key]
+
+
+def _signature(t: Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+class _LayerGraphs:
+    """One layer's captured forward (see the module doc) for one input layout, K and capacity."""
+
+    def __init__(self, inputs, K: int, capacity: int, copied: tuple[bool, ...], stages) -> None:
+        x, w_gate = inputs[0], inputs[1]
+        M, D, F = x.shape[0], x.shape[1], w_gate.shape[0]
+        self.K, self.capacity, self.copied = K, capacity, copied
+        device = x.device
+        self.sources = []  # per input: the buffer a copied input goes to, else None
+        for i, t in enumerate(inputs):
+            self.sources.append(_shared_buffer(f"in{i}", t.shape, t.dtype, device)[0] if copied[i] else None)
+        self.signatures = [None if c else _signature(t) for t, c in zip(inputs, copied)]
+        self.shapes = [(t.shape, t.dtype) for t in inputs]
+        static = [s if s is not None else t for s, t in zip(self.sources, inputs)]
+        work = (
+            _shared_buffer("h", (M, F), x.dtype, device)[0],
+            _shared_buffer("bits", (M, F // 32), torch.int32, device)[0],
+        )
+        self.y, self.y_held = _shared_buffer("y", (M, D), x.dtype, device)
+        h_hot = _shared_buffer("h_hot", (M, K), x.dtype, device)[0] if K else None
+        pattern_stage, product_stage = stages
+        self.pattern, self.products = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        stream = _capture_streams.setdefault(device.index, torch.cuda.Stream(device=device))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            with _capturing(self.pattern, None):
+                state = pattern_stage(static[0], static[1], K, capacity, True, work)
+            with _capturing(self.products, self.pattern.pool()):
+                outputs = product_stage(*static, K, state, y_out=self.y, h_hot_out=h_hot)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.state, self.outputs = state, outputs  # held: the graphs write them at every replay
+        self.totals = state[3].totals
+        self.held = _Held([*outputs[5:], *_tensors(state)])  # y: shared, checked by y_held
+
+    def serves(self, inputs, K: int, need: int) -> bool:
+        if K != self.K or not capacity_fits(self.capacity, need):
+            return False
+        for t, sig, shape in zip(inputs, self.signatures, self.shapes):
+            if (t.shape, t.dtype) != shape or (sig is not None and _signature(t) != sig):
+                return False
+        return True
+
+    def moved(self, inputs) -> tuple[bool, ...]:
+        """Which inputs to copy in the next capture: those copied now and those a call found elsewhere."""
+        return tuple(c or _signature(t) != s for t, c, s in zip(inputs, self.copied, self.signatures))
+
+    def idle(self) -> bool:
+        return self.held.idle() and self.y_held.idle()
+
+    def replay(self, inputs) -> tuple:
+        """The forward's outputs at the graph's capacity and the true entry count (waited for)."""
+        for t, source in zip(inputs, self.sources):
+            if source is not None:
+                source.copy_(t)
+        self.pattern.replay()
+        pending = PendingTotals(self.totals[1:])
+        self.products.replay()
+        nnz = pending.read()
+        # The statistics (l1, row_active, unit_fires, overflow rows: small) are copied out, since callers
+        # keep them past the next forward (the trainer's activity sums); y and the saved state are fresh
+        # tensors on the graph's memory (autograd marks the tensors it returns, never ours).
+        out = self.outputs
+        return (out[0].detach(), *(t.clone() for t in out[1:5]), *(t.detach() for t in out[5:])), nnz
+
+
+def _tensors(obj):
+    """The tensors in a nest of tuples (the pattern stage's state, a TrainPattern)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, tuple):
+        for item in obj:
+            yield from _tensors(item)
+
+
+class _capturing:
+    """Capture into `graph` on the current stream; a failure inside aborts the capture and re-raises."""
+
+    def __init__(self, graph, pool) -> None:
+        self.graph, self.pool = graph, pool
+
+    def __enter__(self):
+        # thread_local: CUDA calls from other threads (a data loader's pinning thread) do not invalidate it
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def __exit__(self, kind, err, tb):
+        if kind is None:
+            self.graph.capture_end()
+            return False
+        try:
+            self.graph.capture_end()
+        except Exception:  # the capture is invalid anyway: the original error is the one to see
+            pass
+        return False
+
+
+def fit_entries(out: tuple, nnz: int, capacity: int) -> tuple | None:
+    """A capacity-sized forward's outputs (train.py's order) with the entry list (rows, cols, gate, up)
+    cut to its nnz entries, or None if they did not fit (the caller redoes the call exactly)."""
+    if nnz > capacity:
+        return None
+    rows, cols, gate, up = (t[:nnz] for t in out[6:10])
+    return (*out[:6], rows, cols, gate, up, *out[10:])
+
+
+def eligible(x: Tensor) -> bool:
+    """Whether a call on x may take the graphs: on, on a GPU, not inside another capture."""
+    return _settings["on"] and x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def graphed_forward(inputs, key, K: int, need: int, stages, eager):
+    """The forward of the layer `key` on inputs (x, w_gate, w_up, w_down): replayed from its graphs when
+    they serve this call, else eagerly by `eager(capacity)` (train.py's capacity-sized forward), after
+    which the layer is captured for the next calls. Returns (outputs cut to the entry count, or None when
+    the entries did not fit: the caller redoes the call exactly)."""
+    graphs = _graphs.get(key)
+    if graphs is not None and graphs is not _FAILED:
+        if graphs.serves(inputs, K, need):
+            if graphs.idle():
+                outputs, nnz = graphs.replay(inputs)
+                _stats["replays"] += 1
+                fitted = fit_entries(outputs, nnz, graphs.capacity)
+                _stats["misses"] += fitted is None
+                return fitted
+            _stats["busy"] += 1
+            return eager(need)
+        if not graphs.idle():  # a capture would not replace graphs whose outputs are still in use
+            _stats["busy"] += 1
+            return eager(need)
+    capacity = graph_capacity(need)
+    out = eager(capacity)  # this call's result; every kernel of the capacity compiled and tuned by it
+    if out is None or graphs is _FAILED:
+        return out
+    copied = graphs.moved(inputs) if graphs is not None else (False,) * len(inputs)
+    _graphs.pop(key, None)  # the old graphs' memory goes before the new capture takes its own
+    try:
+        _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages)
+        _stats["captures"] += 1
+    except Exception as e:  # a kernel that cannot be captured here: this layer stays eager
+        _graphs[key] = _FAILED
+        _stats["failed"] += 1
+        warnings.warn(
+            f"twell_ffn: capturing a layer's forward in a CUDA graph failed ({type(e).__name__}: {e}); the "
+            "layer runs eagerly (TWELL_OP_GRAPHS=0 turns the graphs off everywhere)",
+            stacklevel=3,
+        )
+    return out
+
+
+_FAILED = object()

@@ -45,7 +45,7 @@ from ..gate import relu_gate_bits
 from ..inference.inference import default_hot_units
 from ..reference import FFNOutput
 from .train_format import build_pattern, hot_split, to_csc
-from .train_graph import drop_graphs, eligible, fit_entries, graphed_forward
+from .train_graph import drop_graphs, eligible, fit_entries, graphed_backward, graphed_forward
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
 from .train_sparse import ONE, SPLIT2, SPLIT3, entry_grads, segment_axpy, tune_length_buckets
@@ -488,9 +488,10 @@ def _backward_variant(M: int, hot: bool) -> str:
 
 def _backward_impl(
     grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu,
-    w_down_hot,
+    w_down_hot, outs=None,
 ):  # fmt: skip
-    """dx, dw_gate, dw_up, dw_down from the upstream gradients of y and l1 and the saved state."""
+    """dx, dw_gate, dw_up, dw_down from the upstream gradients of y and l1 and the saved state (written
+    into `outs` when given: train_graph's shared buffers)."""
     M, F = x.shape[0], w_gate.shape[0]
     dy = grad_y.to(x.dtype).contiguous()
     grad_l1 = grad_l1.float()  # d(sum|h| / M)/dh = sign(h) / M times this: divided in the kernels
@@ -503,14 +504,17 @@ def _backward_impl(
         with _on(side):
             d_gu, dw_gu_hot, dw_down_hot = _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot)
     d_gate, d_up, h = entry_grads(rows, cols, dy, w_down, gate, up, grad_l1, M)
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x) if outs is None else outs[0]
     row_dx(row_ptr, cols, d_gate, d_up, w_gate, w_up, dx)
     if hot:  # dx += d_gu [w_gate[hot]; w_up[hot]], once the row kernel has written dx
         with _on(side):
             dx.addmm_(d_gu, w_gu)  # d_gu = [d_gate | d_up], the ReLU mask included
     # CSC: entries grouped by column (stable, so each column's rows stay in order: deterministic sums).
     col_ptr, rows_by_col, coefs = to_csc(rows, cols, (d_gate, d_up, h), F)
-    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
+    if outs is None:
+        dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
+    else:
+        dw_gate, dw_up, dw_down = outs[1:]
     if variant == "fused3":
         segment_axpy(col_ptr, rows_by_col, coefs, (x, dy), (dw_gate, dw_up, dw_down), SPLIT3)
     else:
@@ -528,10 +532,16 @@ def _ffn_train_bwd(
     row_ptr: Tensor, rows: Tensor, cols: Tensor, gate: Tensor, up: Tensor, hot_idx: Tensor, g_hot: Tensor,
     u_hot: Tensor, w_gu: Tensor, w_down_hot: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    return _backward_impl(
+    return _backward_any(
         grad_y, grad_l1, x, w_gate, w_up, w_down, row_ptr, rows, cols, gate, up, hot_idx, g_hot, u_hot, w_gu,
         w_down_hot,
     )  # fmt: skip
+
+
+def _backward_any(*args):
+    """The backward replayed from its layer's graph when the forward was (train_graph.py), else eager."""
+    out = graphed_backward(args, _backward_impl) if eligible(args[2]) else None
+    return _backward_impl(*args) if out is None else out
 
 
 def _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot):
@@ -590,7 +600,7 @@ class _EagerFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_l1, *_unused):
-        return (*_backward_impl(*_backward_args(ctx, grad_y, grad_l1)), None, None)
+        return (*_backward_any(*_backward_args(ctx, grad_y, grad_l1)), None, None)
 
 
 def twell_ffn(

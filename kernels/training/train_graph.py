@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -49,19 +50,24 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .train_format import PendingTotals
 
-# Capacity of a captured layer over its need: the need is the last count + 1/8 + 2048; the graph keeps
-# half as much again, so a layer recaptures after its count grew by more than ~1/3 since the capture or
-# its need fell below half the capacity.
-GRAPH_HEADROOM = 0.5
+# Capacity of a captured layer over its need (the last count + 1/8 + 2048): twice as much, so that a
+# layer misses only when its count doubles from one call to the next, and recaptures smaller once its need
+# falls below a quarter of the capacity (a slot costs 16 bytes; the backward sorts every slot).
+GRAPH_HEADROOM = 1.0
+SHRINK_BELOW = 4
 _settings = {"on": os.environ.get("TWELL_OP_GRAPHS", "1") not in ("0", "false", "False", "")}
-_stats = {"captures": 0, "replays": 0, "misses": 0, "busy": 0, "failed": 0}
+_STATS = ("captures", "replays", "misses", "busy", "failed", "backward_captures", "backward_replays")
+_stats = dict.fromkeys(_STATS, 0)
 _graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key (its w_gate) -> _LayerGraphs
+_by_row_ptr: dict[int, weakref.ref] = {}  # a layer graph's row_ptr address -> it (the backward's lookup)
 _shared: dict = {}  # (device, shape, dtype, role) -> buffer shared by the layers of one shape
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+_backward_pools: dict[int, tuple] = {}  # device -> the memory pool every layer's backward graph shares
 
 
 def set_graphs(on: bool) -> None:
-    """Replay each layer's forward from CUDA graphs (True, the default on a GPU) or issue it eagerly."""
+    """Replay each layer's forward and backward from CUDA graphs (True, the default on a GPU) or issue
+    them eagerly."""
     _settings["on"] = bool(on)
 
 
@@ -70,16 +76,19 @@ def graphs_enabled() -> bool:
 
 
 def graph_stats() -> dict:
-    """Counts since the process started (or reset_graphs): captures, replays, misses (replays whose
-    entries did not fit, redone exactly), busy (calls that found the previous outputs alive and ran
-    eagerly), failed (layers whose capture failed: eager from then on)."""
+    """Counts since the process started (or reset_graphs): forward captures and replays, misses (replays
+    whose entries did not fit, redone exactly), busy (calls that found a previous call's outputs alive
+    and ran eagerly), failed (captures that failed: that layer's pass eager from then on), and the
+    backward's captures and replays."""
     return dict(_stats)
 
 
 def reset_graphs() -> None:
     """Drop every captured graph, its memory and the shared buffers, and zero the counts."""
     _graphs.clear()
+    _by_row_ptr.clear()
     _shared.clear()
+    _backward_pools.clear()
     for k in _stats:
         _stats[k] = 0
 
@@ -92,13 +101,13 @@ def drop_graphs(layers) -> None:
 
 def graph_capacity(need: int) -> int:
     """The entry capacity a layer is captured with when its eager sizing asks for `need` slots."""
-    return (need + int(need * GRAPH_HEADROOM)) // 1024 * 1024 + 1024
+    return int(need * (1 + GRAPH_HEADROOM)) // 1024 * 1024 + 1024
 
 
 def capacity_fits(capacity: int, need: int) -> bool:
     """Whether a graph of `capacity` slots serves a call that needs `need`: large enough, and not more
-    than twice as large (then it holds memory for nothing: recapture)."""
-    return need <= capacity <= 2 * need
+    than SHRINK_BELOW times as large (then it holds memory and sorts slots for nothing: recapture)."""
+    return need <= capacity <= SHRINK_BELOW * need
 
 
 def _use_count(storage) -> int:
@@ -130,60 +139,91 @@ def _signature(t: Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
+class _Inputs:
+    """Where a graph reads its inputs: where the caller's tensors were at capture ("direct": nothing is
+    kept of them but their address and layout) or a buffer shared by the layers of one shape that each
+    call copies its tensor into ("copied")."""
+
+    def __init__(self, tensors, copied, roles) -> None:
+        self.copied = tuple(copied)
+        self.sources = [
+            _shared_buffer(role, t.shape, t.dtype, t.device)[0] if c else None
+            for t, c, role in zip(tensors, copied, roles)
+        ]
+        self.signatures = [None if c else _signature(t) for t, c in zip(tensors, copied)]
+        self.layouts = [(t.shape, t.dtype) for t in tensors]
+
+    def at_capture(self, tensors) -> list:
+        return [s if s is not None else t for s, t in zip(self.sources, tensors)]
+
+    def serve(self, tensors) -> bool:
+        for t, sig, layout in zip(tensors, self.signatures, self.layouts):
+            if (t.shape, t.dtype) != layout or (sig is not None and _signature(t) != sig):
+                return False
+        return True
+
+    def moved(self, tensors) -> tuple[bool, ...]:
+        """Which inputs the next capture copies: those copied now and those a call found elsewhere."""
+        return tuple(c or _signature(t) != s for t, c, s in zip(tensors, self.copied, self.signatures))
+
+    def load(self, tensors) -> None:
+        for t, source in zip(tensors, self.sources):
+            if source is not None:
+                source.copy_(t)
+
+
+def _capture(device, captures) -> None:
+    """Run the (graph, pool, fn) captures in order on the device's capture stream (after the work the
+    current stream has queued, which the graphs' first replays follow anyway)."""
+    stream = _capture_streams.setdefault(device.index, torch.cuda.Stream(device=device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for graph, pool, fn in captures:
+            with _capturing(graph, pool() if callable(pool) else pool):
+                fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
 class _LayerGraphs:
-    """One layer's captured forward (see the module doc) for one input layout, K and capacity."""
+    """One layer's captured forward (see the module doc) for one input layout, K and capacity, and the
+    backward graph that reads its saved state."""
 
     def __init__(self, inputs, K: int, capacity: int, copied: tuple[bool, ...], stages) -> None:
         x, w_gate = inputs[0], inputs[1]
         M, D, F = x.shape[0], x.shape[1], w_gate.shape[0]
-        self.K, self.capacity, self.copied = K, capacity, copied
-        device = x.device
-        self.sources = []  # per input: the buffer a copied input goes to, else None
-        for i, t in enumerate(inputs):
-            self.sources.append(_shared_buffer(f"in{i}", t.shape, t.dtype, device)[0] if copied[i] else None)
-        self.signatures = [None if c else _signature(t) for t, c in zip(inputs, copied)]
-        self.shapes = [(t.shape, t.dtype) for t in inputs]
-        static = [s if s is not None else t for s, t in zip(self.sources, inputs)]
+        self.K, self.capacity = K, capacity
+        self.inputs = _Inputs(inputs, copied, ("in0", "in1", "in2", "in3"))
+        static = self.inputs.at_capture(inputs)
         work = (
-            _shared_buffer("h", (M, F), x.dtype, device)[0],
-            _shared_buffer("bits", (M, F // 32), torch.int32, device)[0],
+            _shared_buffer("h", (M, F), x.dtype, x.device)[0],
+            _shared_buffer("bits", (M, F // 32), torch.int32, x.device)[0],
         )
-        self.y, self.y_held = _shared_buffer("y", (M, D), x.dtype, device)
-        h_hot = _shared_buffer("h_hot", (M, K), x.dtype, device)[0] if K else None
+        self.y, self.y_held = _shared_buffer("y", (M, D), x.dtype, x.device)
+        h_hot = _shared_buffer("h_hot", (M, K), x.dtype, x.device)[0] if K else None
         pattern_stage, product_stage = stages
         self.pattern, self.products = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        stream = _capture_streams.setdefault(device.index, torch.cuda.Stream(device=device))
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            with _capturing(self.pattern, None):
-                state = pattern_stage(static[0], static[1], K, capacity, True, work)
-            with _capturing(self.products, self.pattern.pool()):
-                outputs = product_stage(*static, K, state, y_out=self.y, h_hot_out=h_hot)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.state, self.outputs = state, outputs  # held: the graphs write them at every replay
-        self.totals = state[3].totals
-        self.held = _Held([*outputs[5:], *_tensors(state)])  # y: shared, checked by y_held
+        made = {}
+        _capture(x.device, [
+            (self.pattern, None, lambda: made.setdefault("state", pattern_stage(*static[:2], K, capacity, True, work))),
+            (self.products, self.pattern.pool, lambda: made.setdefault(
+                "outputs", product_stage(*static, K, made["state"], y_out=self.y, h_hot_out=h_hot)
+            )),
+        ])  # fmt: skip
+        self.state, self.outputs = made["state"], made["outputs"]  # held: every replay writes them
+        self.totals = self.state[3].totals
+        self.held = _Held([*self.outputs[5:], *_tensors(self.state)])  # y: shared, checked by y_held
+        self.backward = None  # captured at the first backward after a replay
+        _by_row_ptr[self.outputs[5].data_ptr()] = weakref.ref(self)
 
     def serves(self, inputs, K: int, need: int) -> bool:
-        if K != self.K or not capacity_fits(self.capacity, need):
-            return False
-        for t, sig, shape in zip(inputs, self.signatures, self.shapes):
-            if (t.shape, t.dtype) != shape or (sig is not None and _signature(t) != sig):
-                return False
-        return True
-
-    def moved(self, inputs) -> tuple[bool, ...]:
-        """Which inputs to copy in the next capture: those copied now and those a call found elsewhere."""
-        return tuple(c or _signature(t) != s for t, c, s in zip(inputs, self.copied, self.signatures))
+        return K == self.K and capacity_fits(self.capacity, need) and self.inputs.serve(inputs)
 
     def idle(self) -> bool:
         return self.held.idle() and self.y_held.idle()
 
     def replay(self, inputs) -> tuple:
         """The forward's outputs at the graph's capacity and the true entry count (waited for)."""
-        for t, source in zip(inputs, self.sources):
-            if source is not None:
-                source.copy_(t)
+        self.inputs.load(inputs)
         self.pattern.replay()
         pending = PendingTotals(self.totals[1:])
         self.products.replay()
@@ -193,6 +233,83 @@ class _LayerGraphs:
         # tensors on the graph's memory (autograd marks the tensors it returns, never ours).
         out = self.outputs
         return (out[0].detach(), *(t.clone() for t in out[1:5]), *(t.detach() for t in out[5:])), nnz
+
+    def backward_for(self, args, impl):
+        """dx, dW_gate, dW_up, dW_down for a backward whose saved state is this graph's (args: train.py's
+        backward arguments), replayed, or eager (captured then for the next one); None: run it eagerly."""
+        bw = self.backward
+        if bw is _FAILED:
+            return None
+        inputs = (args[0], *args[2:6])  # grad_y, x and the weights; grad_l1 is always copied
+        if bw is not None:
+            if bw.inputs.serve(inputs) and bw.held.idle():
+                _stats["backward_replays"] += 1
+                return bw.replay(inputs, args[1])
+            if not bw.held.idle():
+                _stats["busy"] += 1
+                return None
+        # Eager on the graph's whole capacity (unused slots: zero gates, past the last column, so they
+        # add nothing): the shapes the capture will have, every kernel compiled and tuned for them.
+        out = impl(*args[:6], *self.outputs[5:])
+        copied = bw.inputs.moved(inputs) if bw is not None else (False,) * len(inputs)
+        self.backward = None
+        try:
+            self.backward = _BackwardGraph(self, inputs, args[1], copied, impl)
+            _stats["backward_captures"] += 1
+        except Exception as e:
+            self.backward = _FAILED
+            _failed("backward", e)
+        return out
+
+
+class _BackwardGraph:
+    """A layer's backward on its forward graph's saved state: inputs grad_y, x and the weights (direct or
+    copied), grad_l1 copied; dx and the weight gradients into buffers shared by the layers of one shape,
+    the rest in one pool shared by every layer's backward graph (nothing else outlives a replay)."""
+
+    def __init__(self, layer: _LayerGraphs, inputs, grad_l1, copied, impl) -> None:
+        device = inputs[1].device
+        self.inputs = _Inputs(inputs, copied, ("dy", "in0", "in1", "in2", "in3"))
+        static = self.inputs.at_capture(inputs)
+        self.grad_l1 = torch.empty((), dtype=grad_l1.dtype, device=device)
+        outs = [_shared_buffer("dx", inputs[1].shape, inputs[1].dtype, device)[0]]
+        outs += [_shared_buffer(f"dw{i}", w.shape, w.dtype, device)[0] for i, w in enumerate(inputs[2:])]
+        self.outs = outs
+        self.held = _Held(outs)
+        self.graph = torch.cuda.CUDAGraph()
+        if device.index not in _backward_pools:
+            _backward_pools[device.index] = torch.cuda.graph_pool_handle()
+        saved = layer.outputs[5:]
+        args = (static[0], self.grad_l1, *static[1:], *saved)
+        _capture(device, [(self.graph, _backward_pools[device.index], lambda: impl(*args, outs=outs))])
+
+    def replay(self, inputs, grad_l1) -> tuple:
+        self.inputs.load(inputs)
+        self.grad_l1.copy_(grad_l1)
+        self.graph.replay()
+        return tuple(t.detach() for t in self.outs)
+
+
+def graphed_backward(args, impl):
+    """The backward replayed from the graph of the layer whose forward graph saved this state (args:
+    train.py's backward arguments, row_ptr at 6), or None: the caller runs it eagerly (the forward ran
+    eagerly, the graphs are off, or a previous backward's outputs are still in use)."""
+    if not _settings["on"]:
+        return None
+    ref = _by_row_ptr.get(args[6].data_ptr())
+    layer = ref() if ref is not None else None
+    if layer is None or layer.outputs[6].data_ptr() != args[7].data_ptr():
+        return None
+    return layer.backward_for(args, impl)
+
+
+def _failed(what: str, err: Exception) -> None:
+    _stats["failed"] += 1
+    warnings.warn(
+        f"twell_ffn: capturing a layer's {what} in a CUDA graph failed ({type(err).__name__}: {err}); it "
+        "runs eagerly (TWELL_OP_GRAPHS=0 turns the graphs off everywhere)",
+        stacklevel=4,
+    )
 
 
 def _tensors(obj):
@@ -262,19 +379,14 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
     out = eager(capacity)  # this call's result; every kernel of the capacity compiled and tuned by it
     if out is None or graphs is _FAILED:
         return out
-    copied = graphs.moved(inputs) if graphs is not None else (False,) * len(inputs)
+    copied = graphs.inputs.moved(inputs) if graphs is not None else (False,) * len(inputs)
     _graphs.pop(key, None)  # the old graphs' memory goes before the new capture takes its own
     try:
         _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages)
         _stats["captures"] += 1
     except Exception as e:  # a kernel that cannot be captured here: this layer stays eager
         _graphs[key] = _FAILED
-        _stats["failed"] += 1
-        warnings.warn(
-            f"twell_ffn: capturing a layer's forward in a CUDA graph failed ({type(e).__name__}: {e}); the "
-            "layer runs eagerly (TWELL_OP_GRAPHS=0 turns the graphs off everywhere)",
-            stacklevel=3,
-        )
+        _failed("forward", e)
     return out
 
 

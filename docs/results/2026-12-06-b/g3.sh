@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session (b) of 2026-12-06, call 3 (at most ~9.3 min): the 1.5b race, the sparse twin with the per-layer
+# graphs (default) against the dense twin and the sparse twin with them off (train.twell_graphs=false).
+set -uo pipefail
+t0=$(date +%s)
+source docs/results/2026-12-05/common.sh
+echo "setup $(( $(date +%s) - t0 )) s"; nvidia-smi --query-gpu=name --format=csv,noheader
+left=$(( ${TOTAL:-550} - ($(date +%s) - t0) ))
+timeout -k 15 $left python3 scripts/race.py --out /tmp/r1.5b --settle 50 \
+  --variant no_op_graphs "train.twell_graphs=false" -- experiment=paper_1.5b $RACE_16K train.steps=100 > $OUT/race_1.5b.txt 2>&1
+rc=$?; echo "race 1.5b rc $rc t $(( $(date +%s) - t0 )) s"
+[ $rc -eq 0 ] || python3 scripts/race.py --out /tmp/r1.5b --settle 50 --variant no_op_graphs "train.twell_graphs=false" --no-run >> $OUT/race_1.5b.txt 2>&1
+tail -8 $OUT/race_1.5b.txt
+python3 - <<'PY'
+import glob, json
+for f in sorted(glob.glob("/tmp/r1.5b/*/metrics.jsonl")):
+    for line in open(f):
+        r = json.loads(line)
+        if "tokens_per_s" in r and r["step"] % 20 == 0:
+            print(f.split("/")[-2], r["step"], round(r["tokens_per_s"]), {k[12:]: v for k, v in r.items() if k.startswith("twell_graph_")})
+PY
+tar -czf $OUT/race_1.5b.tgz --exclude=checkpoints -C /tmp r1.5b 2>/dev/null
+echo "total $(( $(date +%s) - t0 )) s"

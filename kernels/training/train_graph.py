@@ -50,11 +50,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .train_format import PendingTotals
 
-# Capacity of a captured layer over its need (the last count + 1/8 + 2048): twice as much, so that a
-# layer misses only when its count doubles from one call to the next, and recaptures smaller once its need
-# falls below a quarter of the capacity (a slot costs 16 bytes; the backward sorts every slot).
-GRAPH_HEADROOM = 1.0
-SHRINK_BELOW = 4
+# Capacity of a captured layer over its need (the last count + 1/8 + 2048): three times as much, so that
+# a layer misses only when its count triples from one call to the next (a 0.5b race on an H100 with twice
+# as much recaptured ~8% of its calls as activity fell), and recaptures smaller once its need falls below
+# an eighth of the capacity (a slot costs 16 bytes; the backward's column sort takes every slot).
+GRAPH_HEADROOM = 2.0
+SHRINK_BELOW = 8
 _settings = {"on": os.environ.get("TWELL_OP_GRAPHS", "1") not in ("0", "false", "False", "")}
 _STATS = ("captures", "replays", "misses", "busy", "failed", "backward_captures", "backward_replays")
 _stats = dict.fromkeys(_STATS, 0)
@@ -62,7 +63,13 @@ _graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key (its w_gate) -
 _by_row_ptr: dict[int, weakref.ref] = {}  # a layer graph's row_ptr address -> it (the backward's lookup)
 _shared: dict = {}  # (device, shape, dtype, role) -> buffer shared by the layers of one shape
 _capture_streams: dict[int, torch.cuda.Stream] = {}
-_backward_pools: dict[int, tuple] = {}  # device -> the memory pool every layer's backward graph shares
+# Memory pools that outlive the graphs captured into them: one per device that every layer's backward
+# graph shares, one per layer that its successive forward captures reuse (no cudaMalloc / cudaFree, which
+# waits for the device, at each recapture). A pool whose graphs are all gone is released by the allocator
+# and its id must not be captured into again, so each keeps the first graph captured into it (never
+# replayed).
+_backward_pools: dict[int, list] = {}  # device -> [pool id, anchor graph]
+_layer_pools: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key -> [pool id, anchor graph]
 
 
 def set_graphs(on: bool) -> None:
@@ -89,6 +96,7 @@ def reset_graphs() -> None:
     _by_row_ptr.clear()
     _shared.clear()
     _backward_pools.clear()
+    _layer_pools.clear()
     for k in _stats:
         _stats[k] = 0
 
@@ -97,6 +105,7 @@ def drop_graphs(layers) -> None:
     """Drop the graphs of these layers (their w_gate tensors)."""
     for key in layers:
         _graphs.pop(key, None)
+        _layer_pools.pop(key, None)
 
 
 def graph_capacity(need: int) -> int:
@@ -172,15 +181,18 @@ class _Inputs:
                 source.copy_(t)
 
 
-def _capture(device, captures) -> None:
-    """Run the (graph, pool, fn) captures in order on the device's capture stream (after the work the
-    current stream has queued, which the graphs' first replays follow anyway)."""
+def _capture(device, captures, pool: list) -> None:
+    """Run the (graph, fn) captures in order on the device's capture stream (after the work the current
+    stream has queued, which the graphs' first replays follow anyway), all into `pool` ([id, anchor]; a
+    new pool while the id is None, anchored by the first graph)."""
     stream = _capture_streams.setdefault(device.index, torch.cuda.Stream(device=device))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for graph, pool, fn in captures:
-            with _capturing(graph, pool() if callable(pool) else pool):
+        for graph, fn in captures:
+            with _capturing(graph, pool[0]):
                 fn()
+            if pool[0] is None:
+                pool[:] = [graph.pool(), graph]
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
@@ -188,7 +200,7 @@ class _LayerGraphs:
     """One layer's captured forward (see the module doc) for one input layout, K and capacity, and the
     backward graph that reads its saved state."""
 
-    def __init__(self, inputs, K: int, capacity: int, copied: tuple[bool, ...], stages) -> None:
+    def __init__(self, inputs, K: int, capacity: int, copied: tuple[bool, ...], stages, pool: list) -> None:
         x, w_gate = inputs[0], inputs[1]
         M, D, F = x.shape[0], x.shape[1], w_gate.shape[0]
         self.K, self.capacity = K, capacity
@@ -204,11 +216,11 @@ class _LayerGraphs:
         self.pattern, self.products = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         made = {}
         _capture(x.device, [
-            (self.pattern, None, lambda: made.setdefault("state", pattern_stage(*static[:2], K, capacity, True, work))),
-            (self.products, self.pattern.pool, lambda: made.setdefault(
+            (self.pattern, lambda: made.setdefault("state", pattern_stage(*static[:2], K, capacity, True, work))),
+            (self.products, lambda: made.setdefault(
                 "outputs", product_stage(*static, K, made["state"], y_out=self.y, h_hot_out=h_hot)
             )),
-        ])  # fmt: skip
+        ], pool)  # fmt: skip
         self.state, self.outputs = made["state"], made["outputs"]  # held: every replay writes them
         self.totals = self.state[3].totals
         self.held = _Held([*self.outputs[5:], *_tensors(self.state)])  # y: shared, checked by y_held
@@ -277,11 +289,10 @@ class _BackwardGraph:
         self.outs = outs
         self.held = _Held(outs)
         self.graph = torch.cuda.CUDAGraph()
-        if device.index not in _backward_pools:
-            _backward_pools[device.index] = torch.cuda.graph_pool_handle()
         saved = layer.outputs[5:]
         args = (static[0], self.grad_l1, *static[1:], *saved)
-        _capture(device, [(self.graph, _backward_pools[device.index], lambda: impl(*args, outs=outs))])
+        pool = _backward_pools.setdefault(device.index, [None, None])
+        _capture(device, [(self.graph, lambda: impl(*args, outs=outs))], pool)
 
     def replay(self, inputs, grad_l1) -> tuple:
         self.inputs.load(inputs)
@@ -382,7 +393,8 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
     copied = graphs.inputs.moved(inputs) if graphs is not None else (False,) * len(inputs)
     _graphs.pop(key, None)  # the old graphs' memory goes before the new capture takes its own
     try:
-        _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages)
+        pool = _layer_pools.setdefault(key, [None, None])
+        _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages, pool)
         _stats["captures"] += 1
     except Exception as e:  # a kernel that cannot be captured here: this layer stays eager
         _graphs[key] = _FAILED

@@ -227,7 +227,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             + (f"_h{k}" if k else "")
             + ("" if z == "estimate" else f"_{z}")
             + {"auto": "", "on": "_two_streams", "off": "_one_stream"}[st]
-            + ("" if g == "on" else "_no_op_graphs")
+            + ("_op_graphs" if g == "on" else "")
             + ("" if c == "eager" else "_compiled"),
             _twell_y_l1 if c == "eager" else _compiled_twell(),
             v,
@@ -250,7 +250,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
             if variant:
                 size_mode, stream_mode, graph_mode = modes
                 set_graphs(graph_mode == "on")
-                row_scope.callback(set_graphs, True)
+                row_scope.callback(set_graphs, False)
                 set_backward_variant(variant)
                 set_hot_units(hot)
                 set_sizes("estimate" if size_mode == "deferred" else size_mode)
@@ -423,9 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
         "default), always (on: rows named *_two_streams) or never (off: *_one_stream); several to compare",
     )  # fmt: skip
     p.add_argument(
-        "--op-graphs", nargs="*", choices=("on", "off"), default=["on"],
-        help="TwELL's forward replayed from per-layer CUDA graphs (on, the default on a GPU) or issued "
-        "eagerly (off: rows named *_no_op_graphs); both to compare",
+        "--op-graphs", nargs="*", choices=("on", "off"), default=["off"],
+        help="TwELL's forward and backward replayed from per-layer CUDA graphs (on: rows named *_op_graphs; "
+        "kernels/training/train_graph.py) or issued eagerly (off, the library's default); both to compare",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="16384 tokens, d_ff 5632 only (synthetic)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")

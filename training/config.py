@@ -100,10 +100,10 @@ class TrainConfig:
     # redone). One H200, paper_0.5b, 16k-token steps: estimate 171k tokens/s, deferred 136k, dense 144k
     # (docs/results/twell_sizes/): estimate is the default, deferred the A/B switch of issue 31's work.
     twell_sizes: str = "estimate"
-    # TwELL's forward replayed from a pair of CUDA graphs per layer (kernels/training/train_graph.py), in
-    # eager and compiled steps, under DDP, FSDP2 and activation checkpointing alike: the op's host cost
-    # falls from ~1.5 ms a layer to two graph launches. false issues every kernel from Python.
-    twell_graphs: bool = True
+    # TwELL's forward and backward replayed from CUDA graphs per layer (kernels/training/train_graph.py), in
+    # eager and compiled steps: the op's host cost falls from ~1.5 ms a layer to a few graph launches.
+    # Opt-in: the 0.5b race on an H100 ran 4-6% slower with them (docs/results/2026-12-06-b/).
+    twell_graphs: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up by GPU name

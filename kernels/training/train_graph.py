@@ -35,7 +35,12 @@ A replay overwrites the previous call's, so a layer replays only once every tens
 counts say so. A call that finds them alive (two forward
 passes before one backward, a hook keeping y) runs eagerly instead: slower, never wrong.
 
-Off with set_graphs(False) or TWELL_OP_GRAPHS=0; graph_stats() counts captures, replays and fallbacks.
+Opt-in: set_graphs(True), TWELL_OP_GRAPHS=1 or the trainer's train.twell_graphs=true. Measured on an H100
+(docs/results/2026-12-06-b/): the op's eager fwd+bwd at 16,384 x 2048 x 5632 falls from 3.60 to 2.45 ms
+(2.41x the eager dense step; one whole-step CUDA graph: 2.13 ms), but in the 0.5b trainer the sparse twin
+ran at 157-164k tokens/s with the graphs against 167-171k without (recaptures as activity fell, a pool
+defect since fixed that kept every backward eager); the backward replay's GPU tests and the 1.5b race are
+still to run. graph_stats() counts captures, replays and fallbacks.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from .train_format import PendingTotals
 # an eighth of the capacity (a slot costs 16 bytes; the backward's column sort takes every slot).
 GRAPH_HEADROOM = 2.0
 SHRINK_BELOW = 8
-_settings = {"on": os.environ.get("TWELL_OP_GRAPHS", "1") not in ("0", "false", "False", "")}
+_settings = {"on": os.environ.get("TWELL_OP_GRAPHS", "0") in ("1", "true", "True")}
 _STATS = ("captures", "replays", "misses", "busy", "failed", "backward_captures", "backward_replays")
 _stats = dict.fromkeys(_STATS, 0)
 _graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key (its w_gate) -> _LayerGraphs
@@ -73,8 +78,8 @@ _layer_pools: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key -> [pool 
 
 
 def set_graphs(on: bool) -> None:
-    """Replay each layer's forward and backward from CUDA graphs (True, the default on a GPU) or issue
-    them eagerly."""
+    """Replay each layer's forward and backward from CUDA graphs on a GPU (True) or issue them eagerly
+    (False, the default: see the module doc)."""
     _settings["on"] = bool(on)
 
 
@@ -318,7 +323,7 @@ def _failed(what: str, err: Exception) -> None:
     _stats["failed"] += 1
     warnings.warn(
         f"twell_ffn: capturing a layer's {what} in a CUDA graph failed ({type(err).__name__}: {err}); it "
-        "runs eagerly (TWELL_OP_GRAPHS=0 turns the graphs off everywhere)",
+        "runs eagerly (set_graphs(False) turns the graphs off everywhere)",
         stacklevel=4,
     )
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session (b) of 2026-12-06, call 3 (~6.5 min, the budget's end): the graphs' GPU tests after the pool fix
 # (a released memory pool was captured into again: an allocator assert in call 2), then the 1.5b race,
-# the sparse twin with the per-layer graphs (default) against the dense twin and the sparse twin with
-# them off (train.twell_graphs=false).
+# the sparse twin without the per-layer graphs (default) against the dense twin and the sparse twin with
+# them on (train.twell_graphs=true, opt-in).
 set -uo pipefail
 t0=$(date +%s)
 source docs/results/2026-12-05/common.sh
@@ -11,9 +11,9 @@ timeout 75 python3 -m pytest -q -p no:cacheprovider tests/kernels/training/test_
 echo "gpu tests rc $? t $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests.txt | head -16
 left=$(( ${TOTAL:-370} - ($(date +%s) - t0) ))
 timeout -k 10 $left python3 scripts/race.py --out /tmp/r1.5b --settle 50 \
-  --variant no_op_graphs "train.twell_graphs=false" -- experiment=paper_1.5b $RACE_16K train.steps=100 > $OUT/race_1.5b.txt 2>&1
+  --variant op_graphs "train.twell_graphs=true" -- experiment=paper_1.5b $RACE_16K train.steps=100 > $OUT/race_1.5b.txt 2>&1
 rc=$?; echo "race 1.5b rc $rc t $(( $(date +%s) - t0 )) s"
-[ $rc -eq 0 ] || python3 scripts/race.py --out /tmp/r1.5b --settle 50 --variant no_op_graphs "train.twell_graphs=false" --no-run >> $OUT/race_1.5b.txt 2>&1
+[ $rc -eq 0 ] || python3 scripts/race.py --out /tmp/r1.5b --settle 50 --variant op_graphs "train.twell_graphs=true" --no-run >> $OUT/race_1.5b.txt 2>&1
 tail -7 $OUT/race_1.5b.txt
 python3 - <<'PY'
 import glob, json

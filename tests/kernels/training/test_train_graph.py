@@ -82,14 +82,17 @@ def _assert_equal(got, want):
 
 @pytest.fixture
 def graphs():
+    """The graphs on (they are opt-in) and fresh for the test; the setting restored after it."""
+    was = tg.graphs_enabled()
     tg.reset_graphs()
     tg.set_graphs(True)
     yield tg
-    tg.set_graphs(True)
+    tg.set_graphs(was)
     tg.reset_graphs()
 
 
 def _eager(fn, *args, **kwargs):
+    """The same step with the graphs off (inside a test that has them on)."""
     tg.set_graphs(False)
     try:
         return _step(fn, *args, **kwargs)

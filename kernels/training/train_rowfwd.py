@@ -274,11 +274,10 @@ def row_ffn_forward(
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
     if cols.numel() == 0:  # no entry (silent rows, or hot units took every positive): nothing to gather
-        y = torch.empty_like(x) if out is None else out
-        if init is not None:
-            y.copy_(init)
+        if out is None:
+            y = init.clone() if init is not None else torch.zeros_like(x)
         else:
-            y.zero_()
+            y = out.copy_(init) if init is not None else out.zero_()
         l1 = l1_init.clone() if l1_init is not None else x.new_zeros(M, dtype=torch.float32)
         return up, y, l1
     y = torch.empty_like(x) if out is None else out

@@ -61,7 +61,7 @@ from twell.kernels.training.train import (
     set_streams,
     twell_ffn,
 )
-from twell.kernels.training.train_graph import graph_stats, set_graphs
+from twell.kernels.training.train_graph import graph_stats, graphs_enabled, set_graphs
 
 TRAIN_TOKENS = (16384, 65536)
 SYNTHETIC = "synthetic"  # the `source` of rows on kernels/synthetic.py inputs
@@ -222,7 +222,7 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
     sizes = getattr(args, "sizes", None) or ["estimate"]
     streams = getattr(args, "streams", None) or ["auto"]
     modes = ["eager"] + (["compiled"] if getattr(args, "twell_compile", False) else [])
-    op_graphs = getattr(args, "op_graphs", None) or ["on"]
+    op_graphs = getattr(args, "op_graphs", None) or ["off"]  # the library's default (bench_ffn's rows)
     impls += [
         (
             f"twell_{v}"
@@ -251,8 +251,8 @@ def bench_inputs(inputs, args, compiled, source: str, profile: bool = False) -> 
         with contextlib.ExitStack() as row_scope:
             if variant:
                 size_mode, stream_mode, graph_mode = modes
+                row_scope.callback(set_graphs, graphs_enabled())
                 set_graphs(graph_mode == "on")
-                row_scope.callback(set_graphs, False)
                 set_backward_variant(variant)
                 set_hot_units(hot)
                 set_sizes("estimate" if size_mode == "deferred" else size_mode)

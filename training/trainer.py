@@ -306,10 +306,13 @@ class Trainer:
                 import twell.kernels.training.train as kt
 
                 self._kt = kt
+        # The TwELL op's per-layer CUDA graphs (train.twell_graphs), and their counters for the logs
+        self._graph_stats = None
         if mcfg.ffn_impl != "dense" and self.device.type == "cuda":
-            from twell.kernels.training.train_graph import set_graphs
+            from twell.kernels.training.train_graph import graph_stats, set_graphs
 
             set_graphs(tcfg.twell_graphs)
+            self._graph_stats = graph_stats
         self.twell_redos = 0
         self.warm_up_seconds: float | None = None  # the sparse path's warm-up before training (auto FFN, GPU)
         self.twell_threshold: float | None = None  # auto FFN: layers switch below it (set by fit)
@@ -714,11 +717,8 @@ class Trainer:
         }
         if self._kt is not None:  # steps redone because a layer's entries outgrew their capacity, so far
             record["twell_redos"] = self.twell_redos
-        if self.job.model.ffn_impl != "dense" and self.device.type == "cuda":
-            # the TwELL forwards replayed from per-layer CUDA graphs, and those that could not be, so far
-            from twell.kernels.training.train_graph import graph_stats
-
-            record.update({f"twell_graph_{k}": v for k, v in graph_stats().items()})
+        if self._graph_stats is not None:  # TwELL passes replayed from per-layer CUDA graphs, and not, so far
+            record.update({f"twell_graph_{k}": v for k, v in self._graph_stats().items()})
         if self.job.model.ffn_impl == "auto":  # the routing per layer, as the next steps will run it
             record["ffn_sparse"] = [int(ffn._sparse_now) for ffn in self.ffns]
         self.logger.log(record)

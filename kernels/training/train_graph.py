@@ -1,10 +1,11 @@
-"""The training op's forward replayed from CUDA graphs, a pair per layer, in eager and compiled steps.
+"""The training op's forward and backward replayed from CUDA graphs per layer, in eager and compiled steps.
 
 An eager forward of twell_ffn issues ~7 Triton launches and ~40 PyTorch operators for ~1 ms of GPU work
 at 16k tokens, and its host needs 1.5-1.9 ms to issue them (docs/RESULTS.md: the 1.5b step's forward
 idles 23 ms a step waiting on it). `train.cuda_graph` replays a whole step, but not with torch.compile,
 activation checkpointing or FSDP2. Here each layer's forward is captured once and replayed, whatever runs
-around it: its host cost falls to two graph launches, a copy of the entry count and a few checks.
+around it: its host cost falls to two graph launches, a copy of the entry count and a few checks. The
+backward is captured as one graph on the forward graph's saved state, read where the forward left it.
 
 Two graphs a layer, so that the entry count is read without stalling the GPU (the sizes mode "estimate"
 of train.py): `pattern` runs the gate GEMM, the unit counts, the hot units' choice and the CSR (its last
@@ -15,14 +16,15 @@ redoes it exactly, as an eager call that misses its capacity does. Nothing wrong
 
 Sizes. A graph holds a fixed entry capacity: the layer's need (train.py's history: the last count plus
 1/8) plus GRAPH_HEADROOM, so that the count's drift from batch to batch does not recapture; a layer
-captures anew when its need passes the capacity (after a miss) or falls below half of it (activity falls
-as training goes on; a slot costs 16 bytes, no compute, but the memory stays held).
+captures anew when its need passes the capacity (after a miss) or falls below 1/SHRINK_BELOW of it
+(activity falls as training goes on; a slot costs 16 bytes and the backward's column sort).
 
 Memory. Each layer's graphs have a private pool holding what the forward returns and saves for backward
 (the entry list at capacity, the hot units' gate and up values and weight rows, the statistics): the
 state an eager step holds from its forward to its backward, held here between steps too. The dense
-transients (the gate's h [M, d_ff] and bitmask, the hot units' h, y) live in buffers shared by every
-layer of one shape (the layers run one after another on one stream), allocated outside the graphs.
+transients (the gate's h [M, d_ff] and bitmask, the hot units' h, y, dx and the weight gradients) live in
+buffers shared by every layer of one shape (the layers run one after another on one stream), allocated
+outside the graphs; the backward graphs' intermediates share one pool.
 
 Inputs. A graph reads its inputs where they were at capture ("direct"): a call whose x or weights sit
 elsewhere captures anew with that input copied into a shared buffer before each replay ("copied", one
@@ -32,8 +34,8 @@ allocate in the same order every step, so their inputs usually stay put.
 y and the saved state come back as fresh tensors on the graph's memory (the small statistics as copies).
 A replay overwrites the previous call's, so a layer replays only once every tensor on them is gone
 (autograd frees the saved state after the backward; y is consumed by the residual add): storage use
-counts say so. A call that finds them alive (two forward
-passes before one backward, a hook keeping y) runs eagerly instead: slower, never wrong.
+counts say so. A call that finds them alive (two forward passes before one backward, a hook keeping y, a
+bf16 leaf keeping its weight gradient as .grad) runs eagerly instead: slower, never wrong.
 
 Opt-in: set_graphs(True), TWELL_OP_GRAPHS=1 or the trainer's train.twell_graphs=true. Measured on an H100
 (docs/results/2026-12-06-b/): the op's eager fwd+bwd at 16,384 x 2048 x 5632 falls from 3.60 to 2.45 ms
@@ -45,6 +47,7 @@ still to run. graph_stats() counts captures, replays and fallbacks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -75,6 +78,7 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 # replayed).
 _backward_pools: dict[int, list] = {}  # device -> [pool id, anchor graph]
 _layer_pools: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer key -> [pool id, anchor graph]
+_FAILED = object()  # in _graphs / a layer's backward: its capture failed, it runs eagerly
 
 
 def set_graphs(on: bool) -> None:
@@ -133,8 +137,8 @@ class _Held:
     larger count means a tensor from an earlier call still uses one (alive)."""
 
     def __init__(self, tensors) -> None:
-        self.storages = list({t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}.values())
-        self.storages = [t.untyped_storage() for t in self.storages]  # one Python object each, kept
+        by_address = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}  # views: one storage
+        self.storages = [t.untyped_storage() for t in by_address.values()]  # kept: part of the baseline
         self.baseline = [_use_count(s) for s in self.storages]
 
     def idle(self) -> bool:
@@ -186,19 +190,34 @@ class _Inputs:
                 source.copy_(t)
 
 
-def _capture(device, captures, pool: list) -> None:
-    """Run the (graph, fn) captures in order on the device's capture stream (after the work the current
-    stream has queued, which the graphs' first replays follow anyway), all into `pool` ([id, anchor]; a
-    new pool while the id is None, anchored by the first graph)."""
+@contextlib.contextmanager
+def _capture_stream(device):
+    """Captures inside run on the device's capture stream, after the work the current stream has queued
+    (which the graphs' first replays follow anyway)."""
     stream = _capture_streams.setdefault(device.index, torch.cuda.Stream(device=device))
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for graph, fn in captures:
-            with _capturing(graph, pool[0]):
-                fn()
-            if pool[0] is None:
-                pool[:] = [graph.pool(), graph]
-    torch.cuda.current_stream(device).wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+
+@contextlib.contextmanager
+def _capturing(graph, pool: list):
+    """Capture into `graph` on the current stream, into `pool` ([id, anchor]: a new pool while the id is
+    None, then anchored by this graph); a failure inside aborts the capture and re-raises."""
+    # thread_local: CUDA calls from other threads (a data loader's pinning thread) do not invalidate it
+    graph.capture_begin(pool=pool[0], capture_error_mode="thread_local")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # invalid anyway: the original error is the one to see
+            graph.capture_end()
+        raise
+    graph.capture_end()
+    if pool[0] is None:
+        pool[:] = [graph.pool(), graph]
 
 
 class _LayerGraphs:
@@ -215,19 +234,17 @@ class _LayerGraphs:
             _shared_buffer("h", (M, F), x.dtype, x.device)[0],
             _shared_buffer("bits", (M, F // 32), torch.int32, x.device)[0],
         )
-        self.y, self.y_held = _shared_buffer("y", (M, D), x.dtype, x.device)
+        y, self.y_held = _shared_buffer("y", (M, D), x.dtype, x.device)
         h_hot = _shared_buffer("h_hot", (M, K), x.dtype, x.device)[0] if K else None
         pattern_stage, product_stage = stages
         self.pattern, self.products = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        made = {}
-        _capture(x.device, [
-            (self.pattern, lambda: made.setdefault("state", pattern_stage(*static[:2], K, capacity, True, work))),
-            (self.products, lambda: made.setdefault(
-                "outputs", product_stage(*static, K, made["state"], y_out=self.y, h_hot_out=h_hot)
-            )),
-        ], pool)  # fmt: skip
-        self.state, self.outputs = made["state"], made["outputs"]  # held: every replay writes them
-        self.totals = self.state[3].totals
+        with _capture_stream(x.device):
+            with _capturing(self.pattern, pool):
+                self.state = pattern_stage(*static[:2], K, capacity, True, work)
+            with _capturing(self.products, pool):
+                self.outputs = product_stage(*static, K, self.state, y_out=y, h_hot_out=h_hot)
+        # state and outputs are held: every replay writes them
+        self.count = self.state[3].totals[1:]  # the true entry count, written by the pattern graph
         self.held = _Held([*self.outputs[5:], *_tensors(self.state)])  # y: shared, checked by y_held
         self.backward = None  # captured at the first backward after a replay
         _by_row_ptr[self.outputs[5].data_ptr()] = weakref.ref(self)
@@ -242,7 +259,7 @@ class _LayerGraphs:
         """The forward's outputs at the graph's capacity and the true entry count (waited for)."""
         self.inputs.load(inputs)
         self.pattern.replay()
-        pending = PendingTotals(self.totals[1:])
+        pending = PendingTotals(self.count)
         self.products.replay()
         nnz = pending.read()
         # The statistics (l1, row_active, unit_fires, overflow rows: small) are copied out, since callers
@@ -259,12 +276,12 @@ class _LayerGraphs:
             return None
         inputs = (args[0], *args[2:6])  # grad_y, x and the weights; grad_l1 is always copied
         if bw is not None:
-            if bw.inputs.serve(inputs) and bw.held.idle():
-                _stats["backward_replays"] += 1
-                return bw.replay(inputs, args[1])
-            if not bw.held.idle():
+            if not bw.held.idle():  # a previous backward's gradients still in use: neither replay nor capture
                 _stats["busy"] += 1
                 return None
+            if bw.inputs.serve(inputs):
+                _stats["backward_replays"] += 1
+                return bw.replay(inputs, args[1])
         # Eager on the graph's whole capacity (unused slots: zero gates, past the last column, so they
         # add nothing): the shapes the capture will have, every kernel compiled and tuned for them.
         out = impl(*args[:6], *self.outputs[5:])
@@ -297,7 +314,8 @@ class _BackwardGraph:
         saved = layer.outputs[5:]
         args = (static[0], self.grad_l1, *static[1:], *saved)
         pool = _backward_pools.setdefault(device.index, [None, None])
-        _capture(device, [(self.graph, lambda: impl(*args, outs=outs))], pool)
+        with _capture_stream(device), _capturing(self.graph, pool):
+            impl(*args, outs=outs)
 
     def replay(self, inputs, grad_l1) -> tuple:
         self.inputs.load(inputs)
@@ -309,9 +327,7 @@ class _BackwardGraph:
 def graphed_backward(args, impl):
     """The backward replayed from the graph of the layer whose forward graph saved this state (args:
     train.py's backward arguments, row_ptr at 6), or None: the caller runs it eagerly (the forward ran
-    eagerly, the graphs are off, or a previous backward's outputs are still in use)."""
-    if not _settings["on"]:
-        return None
+    eagerly, or a previous backward's outputs are still in use). The caller checks eligible() first."""
     ref = _by_row_ptr.get(args[6].data_ptr())
     layer = ref() if ref is not None else None
     if layer is None or layer.outputs[6].data_ptr() != args[7].data_ptr():
@@ -337,27 +353,6 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-class _capturing:
-    """Capture into `graph` on the current stream; a failure inside aborts the capture and re-raises."""
-
-    def __init__(self, graph, pool) -> None:
-        self.graph, self.pool = graph, pool
-
-    def __enter__(self):
-        # thread_local: CUDA calls from other threads (a data loader's pinning thread) do not invalidate it
-        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-
-    def __exit__(self, kind, err, tb):
-        if kind is None:
-            self.graph.capture_end()
-            return False
-        try:
-            self.graph.capture_end()
-        except Exception:  # the capture is invalid anyway: the original error is the one to see
-            pass
-        return False
-
-
 def fit_entries(out: tuple, nnz: int, capacity: int) -> tuple | None:
     """A capacity-sized forward's outputs (train.py's order) with the entry list (rows, cols, gate, up)
     cut to its nnz entries, or None if they did not fit (the caller redoes the call exactly)."""
@@ -378,7 +373,9 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
     which the layer is captured for the next calls. Returns (outputs cut to the entry count, or None when
     the entries did not fit: the caller redoes the call exactly)."""
     graphs = _graphs.get(key)
-    if graphs is not None and graphs is not _FAILED:
+    if graphs is _FAILED:
+        return eager(need)
+    if graphs is not None:
         if graphs.serves(inputs, K, need):
             if graphs.idle():
                 outputs, nnz = graphs.replay(inputs)
@@ -393,7 +390,7 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
             return eager(need)
     capacity = graph_capacity(need)
     out = eager(capacity)  # this call's result; every kernel of the capacity compiled and tuned by it
-    if out is None or graphs is _FAILED:
+    if out is None:
         return out
     copied = graphs.inputs.moved(inputs) if graphs is not None else (False,) * len(inputs)
     _graphs.pop(key, None)  # the old graphs' memory goes before the new capture takes its own
@@ -405,6 +402,3 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
         _graphs[key] = _FAILED
         _failed("forward", e)
     return out
-
-
-_FAILED = object()

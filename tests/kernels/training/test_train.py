@@ -569,8 +569,8 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
     """The default sizing: a layer's first call is exact (one sync), later calls take the previous
     count plus a margin and check it only after issuing the forward. A fit gives bit-identical results
     to exact sizes; too few slots (or a batch with many more positives) redo the call exactly (right
-    answer) and reset the estimate. (The eager path: per-layer CUDA graphs, on by default on a GPU, are
-    tested in test_train_graph.py.)"""
+    answer) and reset the estimate. (The eager path: the per-layer CUDA graphs, opt-in, are tested in
+    test_train_graph.py; turned off here whatever TWELL_OP_GRAPHS says.)"""
     import twell.kernels.training.train as kt
     from twell.kernels.training import train_graph
 

@@ -30,7 +30,9 @@ class DistInfo:
 
 def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")
+        raise ValueError(
+            "train.device=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False); use train.device=auto or cpu"
+        )
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", local_rank)

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 from trainer_helpers import compose_cfg, compose_job, run_cli, tiny_overrides, train
@@ -145,6 +146,16 @@ def test_bad_paths_end_the_run_with_the_message(offline_data, tmp_path, capsys, 
     assert train.run(compose_cfg([*tiny_overrides(offline_data, tmp_path, 1), override])) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and re.search(message, error), error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where none is")
+def test_asking_for_a_missing_gpu_ends_the_run_with_the_message(offline_data, tmp_path, capsys):
+    assert train.run(compose_cfg([*tiny_overrides(offline_data, tmp_path, 1), "train.device=cuda"])) == 2
+    error = capsys.readouterr().err
+    assert (
+        error.startswith("error: train.device=cuda but no CUDA GPU is visible")
+        and "train.device=auto" in error
+    )
 
 
 @pytest.mark.parametrize(

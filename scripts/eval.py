@@ -15,6 +15,7 @@ true, or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set: the local copies only), offline
 default $TWELL_OFFLINE_TASKS or offline/lm_eval_tasks), tokenizer, ffn_impl, and any ModelConfig field as an override.
 """
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -30,6 +31,11 @@ SCRIPT_KEYS |= {"offline_tasks"}
 def main(argv=None) -> None:
     words = sys.argv[1:] if argv is None else argv
     options, overrides = parse_settings(words, SCRIPT_KEYS, f"\n\n{__doc__}")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError(
+            "scripts/eval.py needs lm-eval, which is not installed here: bash scripts/setup_env.sh eval "
+            "(or pip install -e '.[eval]')"
+        )
     from twell.eval.lm_eval_adapter import run_lm_eval  # lm-eval is imported only when evaluating
 
     choices = {"auto": None, "true": True, "false": False}

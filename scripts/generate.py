@@ -25,7 +25,7 @@ import torch
 
 from twell.data import load_tokenizer
 from twell.eval.load import load_for_eval, parse_settings
-from twell.model.generate import Decoder, cache_len_for, generate
+from twell.model.generate import Decoder, cache_len_for, check_sampling, generate
 
 SCRIPT_KEYS = {"checkpoint", "model", "tokenizer", "prompt", "file", "max_new_tokens", "temperature", "top_k"}
 SCRIPT_KEYS |= {
@@ -51,6 +51,16 @@ def _flag(options: dict, key: str, default: bool) -> bool:
     if value.lower() not in ("true", "false"):
         raise ValueError(f"{key}={value!r} must be true or false")
     return value.lower() == "true"
+
+
+def _number(options: dict, key: str, kind: type, default):
+    value = options.get(key)
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} must be {'an integer' if kind is int else 'a number'}") from None
 
 
 def read_prompts(options: dict) -> list[str]:
@@ -86,15 +96,18 @@ def main(argv=None) -> list[dict]:
     words = sys.argv[1:] if argv is None else argv
     options, overrides = parse_settings(words, SCRIPT_KEYS, f"\n\n{__doc__}")
     texts = read_prompts(options)
-    max_new_tokens = int(options.get("max_new_tokens", 64))
-    batch_size = int(options.get("batch_size", 8))
+    max_new_tokens = _number(options, "max_new_tokens", int, 64)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    batch_size = _number(options, "batch_size", int, 8)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     sampling = dict(
-        temperature=float(options.get("temperature", 0.0)),
-        top_k=int(options.get("top_k", 0)),
-        top_p=float(options.get("top_p", 1.0)),
+        temperature=_number(options, "temperature", float, 0.0),
+        top_k=_number(options, "top_k", int, 0),
+        top_p=_number(options, "top_p", float, 1.0),
     )
+    check_sampling(**sampling)  # before the model loads: a bad value is told at once
     device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, options.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32"))
     cuda_graph = _flag(options, "cuda_graph", device.type == "cuda")
@@ -124,7 +137,7 @@ def main(argv=None) -> list[dict]:
         net, min(batch_size, len(prompts)), max_len, cuda_graph=cuda_graph, compile=compile_blocks,
         prefill_ffn=options.get("prefill_ffn", "auto"), attention=options.get("attention", "sdpa"),
     )  # fmt: skip
-    generator = torch.Generator(device=device).manual_seed(int(options.get("seed", 0)))
+    generator = torch.Generator(device=device).manual_seed(_number(options, "seed", int, 0))
 
     results = []
     for start in range(0, len(prompts), batch_size):

@@ -60,4 +60,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:  # bad input: its message names the fix, as train.py's
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

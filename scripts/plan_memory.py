@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)  # overrides before and after the options
     if args.world_size < 1:
         p.error(f"--world-size={args.world_size} must be >= 1")
+    if args.gpu_gib is not None and not args.gpu_gib > 0:
+        p.error(f"--gpu-gib={args.gpu_gib:g} must be > 0 (leave it out for this machine's GPU, else 80)")
     job = compose_job(args.overrides)
     gpu_gib = args.gpu_gib or local_gpu_gib() or 80.0
-    if gpu_gib <= 0:
-        p.error(f"--gpu-gib={gpu_gib} must be > 0")
     result = plan(job, gpu_gib, args.world_size, args.parallel or job.train.parallel)
     print(table(result))
     if args.json:

@@ -369,6 +369,17 @@ def test_generate_script_streams_one_prompt_and_batches_a_file(tmp_path, capsys)
         generate_script.main(base)
     with pytest.raises(ValueError, match="stop_at_eos='maybe' must be true or false"):
         generate_script.main([f"checkpoint={folder}", "prompt=x", "stop_at_eos=maybe"])
+    # numbers are checked by name before the checkpoint is read (nothing printed, nothing loaded)
+    capsys.readouterr()
+    for setting, message in [
+        ("max_new_tokens=-3", "max_new_tokens=-3 must be >= 1"),
+        ("max_new_tokens=ten", "max_new_tokens='ten' must be an integer"),
+        ("top_p=1.5", r"top_p=1.5 must be in \(0, 1\]"),
+        ("temperature=hot", "temperature='hot' must be a number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            generate_script.main(["checkpoint=/nowhere", "prompt=x", setting])
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.slow

@@ -263,6 +263,10 @@ def test_plan_memory_refuses_bad_values(capsys):
     with pytest.raises(SystemExit):
         plan_memory.main(["model=1.5b", "--world-size", "0"])
     assert "--world-size=0 must be >= 1" in capsys.readouterr().err
+    for gib in ("0", "-40"):  # 0 once fell back to the default 80 GiB and planned for that
+        with pytest.raises(SystemExit):
+            plan_memory.main(["model=1.5b", "--gpu-gib", gib])
+        assert f"--gpu-gib={gib} must be > 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="train.micro_batch"):
         plan_memory.main(["model=1.5b", "train.micro_batch=0"])
 

@@ -44,7 +44,7 @@ from twell.model import Transformer  # noqa: E402
 from twell.training.checkpoint import CheckpointError, capture_rng, config_yaml, restore_rng  # noqa: E402
 from twell.training.config import JobConfig, parse_job, register_configs  # noqa: E402
 from twell.training.distributed import DistInfo, destroy, init_distributed  # noqa: E402
-from twell.training.loggers import wandb_mode  # noqa: E402
+from twell.training.loggers import WandbSetupError, wandb_mode  # noqa: E402
 from twell.training.trainer import Evaluator, NothingToTrain, Trainer  # noqa: E402
 
 register_configs()
@@ -209,7 +209,7 @@ def run(cfg: DictConfig) -> int:
             outcome = "nothing to train"
         else:
             outcome = "stopped by a signal" if trainer.stop_requested else "trained"
-    except (CheckpointError, NothingToTrain) as err:
+    except (CheckpointError, NothingToTrain, WandbSetupError) as err:
         print(f"error: {err}", file=sys.stderr)
         status, outcome = 2, f"error: {err}"
     except BaseException as err:

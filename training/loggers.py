@@ -143,6 +143,11 @@ def wandb_mode(cfg: LoggingConfig) -> str:
     return cfg.wandb_mode
 
 
+class WandbSetupError(ValueError):
+    """wandb.init refused the run (no API key, a bad entity or project, the server unreachable): the
+    trainer stops with the message and the ways out instead of a traceback from inside wandb."""
+
+
 class WandbSink:
     def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, config: dict, mode: str):
         import wandb  # only here: runs without wandb never import it
@@ -153,17 +158,25 @@ class WandbSink:
         id_file.write_text(run_id)
         # WANDB_PROJECT / WANDB_ENTITY apply where the config keeps its defaults (project twell, no entity).
         project = os.environ.get("WANDB_PROJECT") if cfg.wandb_project == "twell" else None
-        self.run = wandb.init(
-            mode=mode,
-            project=project or cfg.wandb_project,
-            entity=cfg.wandb_entity,
-            tags=list(cfg.wandb_tags),
-            name=run_name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-        )
+        try:
+            self.run = wandb.init(
+                mode=mode,
+                project=project or cfg.wandb_project,
+                entity=cfg.wandb_entity,
+                tags=list(cfg.wandb_tags),
+                name=run_name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+            )
+        except wandb.errors.Error as err:
+            raise WandbSetupError(
+                f"wandb could not start the run (logging.wandb_mode={mode}): {type(err).__name__}: {err}. "
+                "Log in first (`wandb login`, or WANDB_API_KEY=...), or log to the run dir and sync later "
+                "(logging.wandb_mode=offline or WANDB_MODE=offline; `wandb sync <run_dir>/wandb`), or "
+                "turn it off (logging.wandb_mode=disabled)"
+            ) from err
 
     def log(self, record: dict) -> None:
         flat = {}

@@ -114,6 +114,23 @@ def test_wandb_mode_from_the_environment_wins(offline_data, tmp_path):
         [sys.executable, str(ROOT / "train.py"), *cli], env=env, capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "error: WANDB_MODE='maybe' is not one of" in bad.stderr, bad.stderr
+    # online without an API key (a HOME without ~/.netrc; a server nobody answers, so nothing leaves the
+    # machine): the run ends with the ways out, not with a traceback from inside wandb
+    del env["WANDB_MODE"]
+    env.update(
+        HOME=str(tmp_path / "home"),
+        WANDB_CONFIG_DIR=str(tmp_path / "home"),
+        WANDB_BASE_URL="http://127.0.0.1:9",
+    )
+    online = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *cli, f"run_dir={tmp_path / 'online'}"],
+        env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert online.returncode == 2, online.stderr[-3000:]
+    assert "error: wandb could not start the run (logging.wandb_mode=online)" in online.stderr, online.stderr[
+        -3000:
+    ]
+    assert "logging.wandb_mode=offline" in online.stderr and "Traceback" not in online.stderr
 
 
 def test_progress_lines_to_a_file_have_elapsed_time_and_eta(tmp_path):

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from twell.data.paths import PROJECT_ROOT, resolve_path
 from twell.eval.offline_tasks import MANIFEST, OWN_TASKS_DIR, offline_task_names
 
 # The paper's seven zero-shot tasks, cloze formulation (answers scored as text after "Answer:").
@@ -23,7 +24,7 @@ PAPER7 = [
 OPTIONAL = ["boolq", "lambada_openai", "sciq", "mmlu"]
 PRESETS = {"paper7": PAPER7, "optional": OPTIONAL, "all": PAPER7 + OPTIONAL}
 
-DEFAULT_OFFLINE_DIR = Path(__file__).resolve().parents[1] / "offline" / "lm_eval_tasks"
+DEFAULT_OFFLINE_DIR = "offline/lm_eval_tasks"  # under the working folder, else under the project root
 SETUP_HINT = "python scripts/setup_offline_eval.py"
 
 
@@ -65,7 +66,13 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def offline_dir_default() -> Path:
-    return Path(os.environ.get("TWELL_OFFLINE_TASKS", DEFAULT_OFFLINE_DIR))
+    """$TWELL_OFFLINE_TASKS, else offline/lm_eval_tasks found like the offline training data: under the
+    working folder, else under the project root (where scripts/setup_offline_eval.py writes it)."""
+    given = os.environ.get("TWELL_OFFLINE_TASKS")
+    if given:
+        return Path(given).expanduser()
+    found = resolve_path(DEFAULT_OFFLINE_DIR)
+    return found if found.exists() else PROJECT_ROOT / DEFAULT_OFFLINE_DIR
 
 
 @functools.lru_cache(maxsize=4)

@@ -107,6 +107,21 @@ def test_bad_task_names_and_missing_offline_data(tmp_path):
         resolve_tasks(" , ", offline=False)
 
 
+def test_offline_copies_are_found_like_the_offline_training_data(tmp_path, monkeypatch):
+    """Under the working folder first (a second checkout runs its own copies even when the installed
+    twell is another checkout), else under the project root, unless $TWELL_OFFLINE_TASKS names them."""
+    from twell.data.paths import PROJECT_ROOT
+    from twell.eval.tasks import offline_dir_default
+
+    monkeypatch.delenv("TWELL_OFFLINE_TASKS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert offline_dir_default() == PROJECT_ROOT / "offline" / "lm_eval_tasks"
+    (tmp_path / "offline" / "lm_eval_tasks").mkdir(parents=True)
+    assert offline_dir_default().resolve() == tmp_path / "offline" / "lm_eval_tasks"
+    monkeypatch.setenv("TWELL_OFFLINE_TASKS", str(tmp_path / "elsewhere"))
+    assert offline_dir_default() == tmp_path / "elsewhere"
+
+
 def test_paper7_runs_offline_with_every_metric(tiny_model, tiny_tokenizer, offline_tasks):
     tiny_model.train()
     results = run_lm_eval(

@@ -39,6 +39,7 @@ except ModuleNotFoundError as err:  # a clone that was never installed
     sys.exit(f"error: {err}; install the project first: bash scripts/setup_env.sh (or pip install -e .)")
 
 from twell.data import build_train_stream, build_val_stream, held_out_texts, load_tokenizer  # noqa: E402
+from twell.data.token_shards import apply_corpus_defaults  # noqa: E402
 from twell.eval import bytes_per_token, validation_loss  # noqa: E402
 from twell.model import Transformer  # noqa: E402
 from twell.training.checkpoint import CheckpointError, capture_rng, config_yaml, restore_rng  # noqa: E402
@@ -69,6 +70,9 @@ def build_trainer(job: JobConfig) -> Trainer:
     wandb_mode(job.logging)  # a bad WANDB_MODE stops the run here, before anything is built
     info = init_distributed(job.train.device)
     seed_everything(job.train.seed, info.rank)
+    for note in apply_corpus_defaults(job.data):  # before the config is saved with the checkpoints
+        if info.rank == 0:
+            log.info("token corpus %s: %s", job.data.path, note)
     tokenizer = load_tokenizer(job.data.tokenizer)
     if len(tokenizer) > job.model.vocab_size:
         raise ValueError(

@@ -38,10 +38,12 @@ class DataConfig:
     hf_revision: str | None = None
     split: str = "train"
     text_column: str = "text"
-    # hub name (e.g. HuggingFaceTB/SmolLM2-360M) or a local tokenizer folder.
+    # hub name (e.g. HuggingFaceTB/SmolLM2-360M) or a local tokenizer folder; for a token corpus,
+    # "corpus": the one its manifest records.
     tokenizer: str = "offline/tokenizer"
     # Held-out data, first match wins: files (local format), a named split (hub / tokens manifest),
-    # or the first val_docs documents of the training source (skipped by training).
+    # or the first val_docs documents of the training source (skipped by training). For a token corpus,
+    # val_split "auto": its 'val' split if it has one (then val_docs=0), else the val_docs head.
     val_path: str | None = None
     val_split: str | None = None
     val_docs: int = 0
@@ -92,6 +94,16 @@ class DataConfig:
             raise ValueError("data.text_column is empty: name the column that holds the document text")
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: give a hub name or a local tokenizer folder")
+        if self.source != "tokens" and self.tokenizer == "corpus":
+            raise ValueError(
+                f"data.tokenizer=corpus takes a token corpus's own tokenizer, but data.source={self.source!r}: "
+                "give a hub name or a local tokenizer folder"
+            )
+        if self.source != "tokens" and self.val_split == "auto":
+            raise ValueError(
+                f"data.val_split=auto picks a token corpus's 'val' split, but data.source={self.source!r}: "
+                "name the split (or null)"
+            )
         if self.sharding not in SHARDINGS:
             raise ValueError(f"data.sharding={self.sharding!r} is not one of {SHARDINGS}")
         if self.prefetch < 0:

@@ -20,6 +20,8 @@ import numpy as np
 from twell.data.paths import resolve_path
 
 MANIFEST = "manifest.json"
+CORPUS = "corpus"  # data.tokenizer: the token corpus's own (apply_corpus_defaults)
+AUTO = "auto"  # data.val_split: the token corpus's 'val' split if it has one
 FORMAT = "twell-token-shards"
 _REBUILD = "rebuild it (scripts/pretokenize.py re-writes only the shards that are missing or corrupt)"
 _VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) whose sha256 matched, per process
@@ -63,6 +65,36 @@ def read_manifest(path: str) -> tuple[Path, dict]:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{manifest_path} is not a {FORMAT} manifest (format={manifest.get('format')!r})")
     return manifest_path.parent, manifest
+
+
+def apply_corpus_defaults(cfg) -> list[str]:
+    """For a token corpus (data.source=tokens), fill in, in place, what its manifest knows:
+    data.tokenizer=corpus -> the tokenizer it was built with (a local folder found like the data paths,
+    else the hub name as recorded); data.val_split=auto -> its 'val' split when it has one (the training
+    split then keeps every document: data.val_docs=0), else no split (data.val_docs holds out the head
+    of the training split). Returns one line per value filled in, for the run's log."""
+    if cfg.source != "tokens" or (cfg.tokenizer != CORPUS and cfg.val_split != AUTO):
+        return []
+    folder, manifest = read_manifest(cfg.path)
+    notes = []
+    if cfg.tokenizer == CORPUS:
+        built = manifest.get("tokenizer")
+        if not built:
+            raise ValueError(
+                f"data.tokenizer=corpus: the manifest of {folder} records no tokenizer; set data.tokenizer "
+                "to the one the corpus was built with"
+            )
+        local = resolve_path(built)
+        cfg.tokenizer = str(local) if local.exists() else built
+        notes.append(f"data.tokenizer={cfg.tokenizer} (the corpus's)")
+    if cfg.val_split == AUTO:
+        if manifest["splits"].get("val"):
+            cfg.val_split, cfg.val_docs = "val", 0
+            notes.append("data.val_split=val (the corpus's held-out split), data.val_docs=0")
+        else:
+            cfg.val_split = None
+            notes.append(f"data.val_split: none in the corpus, the first data.val_docs={cfg.val_docs} documents")
+    return notes
 
 
 def write_manifest(folder: Path, manifest: dict) -> Path:

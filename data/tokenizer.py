@@ -19,6 +19,11 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
     """A fast tokenizer with an EOS token; clear errors for a missing folder or an uncached hub name offline."""
     if not name_or_path:
         raise ValueError(f"data.tokenizer is empty: {_OFFLINE_FIX}")
+    if name_or_path == "corpus" and not resolve_path(name_or_path).is_dir():
+        raise ValueError(
+            "data.tokenizer=corpus (a token corpus's own tokenizer) is filled in from the corpus manifest "
+            "by train.py; here give the tokenizer itself: data.tokenizer=<hub name or local folder>"
+        )
     local = resolve_path(name_or_path)
     if local.is_dir():
         tokenizer = _from_pretrained(str(local), name_or_path, local=True)

@@ -77,6 +77,7 @@ def measure(overrides: list[str], result_path: Path) -> None:
     import torch
 
     from twell.data import build_train_stream, load_tokenizer
+    from twell.data.token_shards import apply_corpus_defaults
     from twell.model.calibrate import calibrate_activity
     from twell.model.transformer import Transformer
 
@@ -91,6 +92,7 @@ def measure(overrides: list[str], result_path: Path) -> None:
         init_weights(model)
         if model.tok_embeddings.weight.is_meta:  # the constructor's own call, on the meta device
             return
+        apply_corpus_defaults(job.data)
         tokenizer = load_tokenizer(job.data.tokenizer)
         stream = build_train_stream(job.data, tokenizer, tcfg.seq_len, 4, 0, 1, 1, tcfg.seed + 1)
         with torch.no_grad():

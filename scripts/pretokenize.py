@@ -323,11 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
     for split, shards in splits.items():
         tokens, docs = sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)
         print(f"{split}: {docs:,} documents, {tokens:,} tokens in {len(shards)} shard(s)")
-    # With a split of held-out documents of its own, validation reads that split and the training split
-    # keeps every document (data=shards holds out the head of the training split otherwise).
-    held_out = " data.val_split=val data.val_docs=0" if "val" in splits else ""
+    # data=shards takes the tokenizer and a 'val' split from the manifest (else it holds out the head
+    # of the training split).
     print(f"wrote {out / 'manifest.json'} ({done_tokens:,} new tokens in {elapsed:.1f} s); "
-          f"train with data=shards data.path={out} data.tokenizer={cfg.tokenizer}{held_out}")  # fmt: skip
+          f"train with data=shards data.path={out}")  # fmt: skip
     return manifest
 
 

@@ -453,6 +453,53 @@ def test_validation_record_equals_eval_validation_loss(offline_data, tmp_path):
     assert record["val_bpb"] == pytest.approx(want["val_loss"] / math.log(2) / ratio, rel=1e-6)
 
 
+def test_data_shards_takes_the_tokenizer_and_held_out_split_from_the_corpus(offline_data, tmp_path):
+    """The README's pre-tokenized mode: pretokenize.py with a held-out split, then data=shards with only
+    data.path: the run trains and validates with the corpus's tokenizer and 'val' split (the training
+    split keeps every document), and the checkpoint's config names them, so eval and export find them."""
+    from omegaconf import OmegaConf
+
+    shards = tmp_path / "shards"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pretokenize.py"), "--path", f"{offline_data}/sample/train-*.parquet",
+         "--val-path", f"{offline_data}/sample/val-*.parquet", "--tokenizer", str(offline_data / "tokenizer"),
+         "--out", str(shards), "--workers", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"train with data=shards data.path={shards}\n" in done.stdout
+    overrides = [o for o in tiny_overrides(offline_data, tmp_path / "run", 2) if not o.startswith("data.")]
+    overrides += ["data=shards", f"data.path={shards}", "eval.interval=2", "eval.val_batches=1",
+                  "checkpoint.save_final=true"]  # fmt: skip
+    job = compose_job(overrides)
+    assert (job.data.tokenizer, job.data.val_split, job.data.val_docs) == ("corpus", "auto", 10000)
+    records = train.build_trainer(job).fit()
+    assert (job.data.tokenizer, job.data.val_split, job.data.val_docs) == (
+        str(offline_data / "tokenizer"),
+        "val",
+        0,
+    )
+    assert [r["step"] for r in records if "val_loss" in r] == [2]
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("step_*/config.yaml")
+    data = OmegaConf.load(saved).data
+    assert (data.tokenizer, data.val_split, data.val_docs) == (str(offline_data / "tokenizer"), "val", 0)
+
+    # a corpus without a held-out split: the head of the training split, as before
+    job = compose_job([*overrides, "data.val_docs=50"])
+    manifest = json.loads((shards / "manifest.json").read_text())
+    del manifest["splits"]["val"]
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    from twell.data.token_shards import apply_corpus_defaults
+
+    assert (
+        apply_corpus_defaults(job.data)[1]
+        == "data.val_split: none in the corpus, the first data.val_docs=50 documents"
+    )
+    assert (job.data.val_split, job.data.val_docs) == (None, 50)
+    with pytest.raises(ValueError, match="data.tokenizer=corpus takes a token corpus's own tokenizer"):
+        compose_job([*overrides, "data.source=local"])
+
+
 def test_lm_eval_subset_in_the_loop(offline_data, offline_tasks, tmp_path, monkeypatch):
     """eval.lm_eval_tasks runs lm-eval on rank 0 in the loop; its per-task accuracy and the mean land in
     the records (and metrics.jsonl) beside val_loss, and training continues exactly as without it."""

@@ -93,7 +93,9 @@ def apply_corpus_defaults(cfg) -> list[str]:
             notes.append("data.val_split=val (the corpus's held-out split), data.val_docs=0")
         else:
             cfg.val_split = None
-            notes.append(f"data.val_split: none in the corpus, the first data.val_docs={cfg.val_docs} documents")
+            notes.append(
+                f"data.val_split: none in the corpus, the first data.val_docs={cfg.val_docs} documents"
+            )
     return notes
 
 

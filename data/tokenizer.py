@@ -85,8 +85,9 @@ def _from_pretrained(target: str, name: str, *, local: bool) -> PreTrainedTokeni
 
 
 def _looks_like_path(name: str) -> bool:
-    # Hub ids are "name" or "org/name"; path syntax, or a first part that is a local folder
-    # (e.g. "offline/tokenizr"), means a folder was meant.
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+    # Hub ids are "name" or "org/name"; path syntax, a first part that is a local folder (e.g.
+    # "offline/tokenizr") or our offline folder (the default offline/tokenizer, not built yet) means a
+    # folder was meant.
+    if name.startswith((".", "/", "~", "offline/")) or name.count("/") > 1 or "\\" in name:
         return True
     return "/" in name and resolve_path(name.split("/")[0]).is_dir()

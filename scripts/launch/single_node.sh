@@ -9,8 +9,10 @@
 # Arguments are train.py's Hydra overrides. GPUS defaults to the GPUs nvidia-smi lists (1 without any:
 # one CPU process). PYTHON picks the interpreter (default python3): torchrun runs as `python -m
 # torch.distributed.run`, so it is the torch of that environment. Several nodes: scripts/launch/slurm.sbatch.
+# Relative paths in the overrides (run_dir, data.path, ...) are taken from the folder you run it in, as
+# with `python train.py`.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 
 count_gpus() {
@@ -21,7 +23,7 @@ count_gpus() {
 GPUS=${GPUS:-$(count_gpus)}
 ((GPUS > 0)) || GPUS=1
 
-cmd=("$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$GPUS" train.py "$@")
+cmd=("$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$GPUS" "$ROOT/train.py" "$@")
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${cmd[@]}"
     echo

@@ -52,6 +52,23 @@ def test_missing_tokenizer_folder(tmp_path):
         load_tokenizer(str(tmp_path / "missing" / "tok"))
 
 
+def test_the_default_offline_tokenizer_not_built_yet_is_a_missing_folder_at_once(tmp_path, monkeypatch):
+    """data.tokenizer=offline/tokenizer (the default) before prepare_offline_data.py ran, from a folder
+    without offline/: no hub lookup of an "offline/tokenizer" repo (retries, then a hub error)."""
+    import time
+
+    from twell.data import tokenizer as tokenizer_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tokenizer_module, "resolve_path", lambda path: tmp_path / path)  # no project root
+    start = time.perf_counter()
+    with pytest.raises(
+        FileNotFoundError, match=r"tokenizer folder 'offline/tokenizer' does not exist.*prepare_offline"
+    ):
+        load_tokenizer("offline/tokenizer")
+    assert time.perf_counter() - start < 2
+
+
 def test_tokenizer_without_eos(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

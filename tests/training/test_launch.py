@@ -38,7 +38,8 @@ def test_launchers_are_valid_bash():
 def test_single_node_runs_one_process_per_gpu_through_a_local_rendezvous():
     args = torchrun_args(dry_run("single_node.sh", GPUS="4"))
     assert args.standalone and args.nnodes == "1" and args.nproc_per_node == "4"
-    assert args.training_script == "train.py" and args.training_script_args == OVERRIDES
+    # train.py of this checkout, by its full path: the overrides' relative paths stay the caller's
+    assert args.training_script == str(ROOT / "train.py") and args.training_script_args == OVERRIDES
     compose_job(args.training_script_args)  # the overrides are a valid job
 
 

@@ -10,7 +10,7 @@ paper recipe's default) and the dense twin model.ffn_impl=dense. `--variant NAME
 adds a sparse run with more overrides, compared with the dense twin as the sparse one is, e.g. the
 training-health questions of the dead-unit re-initialisation:
 
-    python scripts/race.py --out outputs/health --variant no_reinit "sparsity=paper_no_reinit" \
+    python scripts/race.py --out outputs/health --variant no_reinit "sparsity=paper_no_reinit" \\
         --variant reinit_every_step "sparsity.dead_window_tokens=0" -- experiment=paper_0.5b ... train.steps=800
 
 Writes <out>/race.json, <out>/race.md (the table) and <out>/race.png: CE against tokens and against

@@ -8,6 +8,7 @@ section found in the checkpoint folder or above it (the run dir), or a preset na
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
 def parse_settings(
     words: list[str], option_keys: set[str], usage: str, expected: str = "key=value"
 ) -> tuple[dict, dict]:
-    """key=value words -> (script options: keys in option_keys, ModelConfig overrides with JSON-ish values).
+    """key=value words -> (script options: keys in option_keys, ModelConfig overrides with JSON-ish values);
+    any other key is refused with the closest known one.
 
     checkpoint= is required. Errors exit with "error: ..." followed by usage (e.g. " (see --help)" or
     the script's docstring); expected names what each word should be (in the "got ..." message).
@@ -39,6 +41,15 @@ def parse_settings(
                 overrides[key] = json.loads(value)
             except ValueError:
                 overrides[key] = value
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, [*option_keys, *fields], n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise SystemExit(
+                f"error: unknown setting {key}={overrides[key]!r}{hint}; this script's settings: "
+                f"{', '.join(sorted(option_keys))}; model fields: {', '.join(sorted(fields))}"
+            )
     if "checkpoint" not in options:
         raise SystemExit(f"error: checkpoint=<path> is required{usage}")
     return options, overrides

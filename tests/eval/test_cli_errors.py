@@ -45,3 +45,23 @@ def test_eval_without_lm_eval_names_the_extra_to_install(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"needs lm-eval.*bash scripts/setup_env.sh eval"):
         eval_script.main(["checkpoint=/nowhere"])
+
+
+@pytest.mark.parametrize(
+    "script, word, hint",
+    [("generate", "max_new_token=8", "max_new_tokens"), ("generate", "prompts=p.txt", "prompt"),
+     ("eval", "task=arc_easy", "tasks"), ("activity", "tokeniser=t", "tokenizer")],
+)  # fmt: skip
+def test_a_misspelt_setting_is_named_with_the_closest_one_before_anything_loads(script, word, hint):
+    """Not a TypeError from inside ModelConfig after the checkpoint was read (or, for prompts=, the
+    complaint that no prompt was given): the unknown key, the closest known one, and the lists."""
+    main = load_script(script).main
+    given = {"generate": ["prompt=hi"], "activity": ["--text", "hi"]}.get(script, [])
+    with pytest.raises(SystemExit) as stop:
+        main([*given, "checkpoint=/nowhere", word])
+    message = str(stop.value)
+    assert (
+        message.startswith(f"error: unknown setting {word.split('=')[0]}=")
+        and f"did you mean {hint}=?" in message
+    )
+    assert "model fields: d_ff, d_model" in message

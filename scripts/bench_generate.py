@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from bench_model import set_ffn_impl  # scripts/
+from benchlib import bench_device
 
 from twell.model import Decoder, ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
@@ -321,7 +322,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--quick", action="store_true", help="CPU smoke test: small model, batch 1 2, 8 + 3 tokens"
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda (a CPU needs --device cpu, or --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/bench_generate", help="folder for the JSON and PNG")
     args = p.parse_args(argv)
@@ -337,6 +338,9 @@ def parse_args(argv=None):
             )
     if min(args.batch) < 1:
         p.error(f"--batch {args.batch}: every batch size must be >= 1")
+    if args.quick and not args.device:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = bench_device(p, args.device, "--quick")
     args.graph = args.graph and torch.device(args.device).type == "cuda"
     args.compile = args.compile and torch.device(args.device).type == "cuda"
     return args

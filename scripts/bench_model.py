@@ -37,7 +37,7 @@ import math
 import time
 
 import torch
-from benchlib import write_results
+from benchlib import bench_device, write_results
 
 from twell.model import ModelConfig, Transformer
 from twell.model.calibrate import calibrate_activity
@@ -371,7 +371,7 @@ def parse_args(argv=None):
         "--hot-prefix", type=int, default=0,
         help="inference: order FFN units on untimed rows and compute the first P densely (0: off)",
     )  # fmt: skip
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda (a CPU needs --device cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_model.json")
     args = p.parse_args(argv)
@@ -384,6 +384,7 @@ def parse_args(argv=None):
     for name in ("batch", "micro_batch", "seq_len", "warmup", "min_iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    args.device = bench_device(p, args.device, "--model tiny --device cpu --seq-len 32 --batch 4 --seconds 0")
     return args
 
 

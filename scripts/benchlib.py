@@ -33,6 +33,19 @@ from twell.kernels.training.train import set_sizes, static_misses, twell_ffn
 # ---- timing ---------------------------------------------------------------------------------------
 
 
+def bench_device(parser, given: str | None, smoke: str) -> str:
+    """--device as given; else cuda where there is a GPU, else a parser error naming the smoke test:
+    the presets these scripts time take hours on a CPU, with nothing printed meanwhile."""
+    if given:
+        return given
+    if torch.cuda.is_available():
+        return "cuda"
+    parser.error(
+        "no CUDA GPU here: this benchmark times the GPU, and its default models take hours on a CPU. "
+        f"A smoke test on the CPU: {smoke}; --device cpu runs the full benchmark on the CPU anyway"
+    )
+
+
 def median_ms(fn, rep_ms: int) -> float:
     """Median ms of fn() over rep_ms of timing (triton.testing.do_bench: L2 flushed before each call)."""
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")

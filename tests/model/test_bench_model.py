@@ -100,3 +100,16 @@ def test_bad_options_are_refused_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         bench_model.main(["--batch", "0"])
     assert "--batch=0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+@pytest.mark.parametrize(
+    "script, smoke", [("bench_model", "--model tiny --device cpu"), ("bench_generate", "--quick")]
+)
+def test_without_a_gpu_the_benchmarks_name_the_smoke_test_instead_of_running_for_hours(script, smoke, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).main([])
+    err = capsys.readouterr().err
+    assert "error: no CUDA GPU here" in err and f"A smoke test on the CPU: {smoke}" in err

@@ -38,8 +38,11 @@ def vocab_hash(tokenizer) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()  # chunked by hand: hashlib.file_digest is Python 3.11+, we support 3.10
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A CPU step above this many FLOPs is worth a warning at start: ~15 minutes at 1e11 FLOP/s.
+CPU_STEP_FLOPS_WARN = 1e14
 
 
 class NothingToTrain(ValueError):
@@ -416,6 +418,15 @@ class Trainer:
             f"{self.device.type} ({self.precision}, {self._parallel_name()}), grad_accum {self.grad_accum}, "
             f"{self.job.train.global_batch_tokens} tokens/step, steps {start_step}..{self.total_steps}"
         )
+        step_flops = self.flops_per_token * self.job.train.global_batch_tokens
+        if self.device.type == "cpu" and step_flops > CPU_STEP_FLOPS_WARN and self.info.is_main:
+            log.warning(
+                "this CPU run does %.3g FLOPs a step (6 N + 6 L d S per token x %d tokens): hours a step at the "
+                "~1e11 FLOP/s of a CPU; the README's CPU run is experiment=quickstart (or a smaller model and "
+                "train.global_batch_tokens)",
+                step_flops,
+                self.job.train.global_batch_tokens,
+            )
         on_off = {True: "on", False: "off"}
         self._say(
             f"FFN {self.job.model.ffn_impl}, torch.compile {on_off[self.compile_blocks]}, activation "

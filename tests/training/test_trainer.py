@@ -500,6 +500,23 @@ def test_data_shards_takes_the_tokenizer_and_held_out_split_from_the_corpus(offl
         compose_job([*overrides, "data.source=local"])
 
 
+def test_a_cpu_run_of_hours_a_step_says_so_at_start(offline_data, tmp_path, monkeypatch, caplog):
+    """`python train.py` on a CPU trains the paper's 1.5B model on 1M-token steps (~1e16 FLOPs each): a
+    warning names the step's FLOPs and the CPU run of the README; a small run gets none."""
+    from twell.training import trainer as trainer_module
+
+    def warned(run_dir) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="twell.training.trainer"):
+            run_job(tiny_overrides(offline_data, run_dir, 1))
+        return [r.getMessage() for r in caplog.records if "FLOPs a step" in r.getMessage()]
+
+    assert warned(tmp_path / "small") == []
+    monkeypatch.setattr(trainer_module, "CPU_STEP_FLOPS_WARN", 1e6)  # this tiny job's steps count as huge
+    (message,) = warned(tmp_path / "huge")
+    assert "x 256 tokens" in message and "experiment=quickstart" in message
+
+
 def test_lm_eval_subset_in_the_loop(offline_data, offline_tasks, tmp_path, monkeypatch):
     """eval.lm_eval_tasks runs lm-eval on rank 0 in the loop; its per-task accuracy and the mean land in
     the records (and metrics.jsonl) beside val_loss, and training continues exactly as without it."""

@@ -71,7 +71,7 @@ def build_trainer(job: JobConfig) -> Trainer:
     info = init_distributed(job.train.device)
     seed_everything(job.train.seed, info.rank)
     for note in apply_corpus_defaults(job.data):  # before the config is saved with the checkpoints
-        if info.rank == 0:
+        if info.is_main:
             log.info("token corpus %s: %s", job.data.path, note)
     tokenizer = load_tokenizer(job.data.tokenizer)
     if len(tokenizer) > job.model.vocab_size:

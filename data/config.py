@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+# data.tokenizer / data.val_split values for a token corpus, filled in from its manifest at start
+# (data/token_shards.apply_corpus_defaults): its own tokenizer, its 'val' split if it has one.
+CORPUS_TOKENIZER = "corpus"
+AUTO_SPLIT = "auto"
+
 SOURCES = ("local", "hub", "tokens")
 SHARDINGS = ("documents", "files")
 LOCAL_FORMATS = ("parquet", "json", "text")
@@ -94,12 +99,12 @@ class DataConfig:
             raise ValueError("data.text_column is empty: name the column that holds the document text")
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: give a hub name or a local tokenizer folder")
-        if self.source != "tokens" and self.tokenizer == "corpus":
+        if self.source != "tokens" and self.tokenizer == CORPUS_TOKENIZER:
             raise ValueError(
                 f"data.tokenizer=corpus takes a token corpus's own tokenizer, but data.source={self.source!r}: "
                 "give a hub name or a local tokenizer folder"
             )
-        if self.source != "tokens" and self.val_split == "auto":
+        if self.source != "tokens" and self.val_split == AUTO_SPLIT:
             raise ValueError(
                 f"data.val_split=auto picks a token corpus's 'val' split, but data.source={self.source!r}: "
                 "name the split (or null)"

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from twell.data.config import AUTO_SPLIT, CORPUS_TOKENIZER
 from twell.data.paths import resolve_path
 
 MANIFEST = "manifest.json"
-CORPUS = "corpus"  # data.tokenizer: the token corpus's own (apply_corpus_defaults)
-AUTO = "auto"  # data.val_split: the token corpus's 'val' split if it has one
 FORMAT = "twell-token-shards"
 _REBUILD = "rebuild it (scripts/pretokenize.py re-writes only the shards that are missing or corrupt)"
 _VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) whose sha256 matched, per process
@@ -76,11 +75,11 @@ def apply_corpus_defaults(cfg) -> list[str]:
     else the hub name as recorded); data.val_split=auto -> its 'val' split when it has one (the training
     split then keeps every document: data.val_docs=0), else no split (data.val_docs holds out the head
     of the training split). Returns one line per value filled in, for the run's log."""
-    if cfg.source != "tokens" or (cfg.tokenizer != CORPUS and cfg.val_split != AUTO):
+    if cfg.source != "tokens" or (cfg.tokenizer != CORPUS_TOKENIZER and cfg.val_split != AUTO_SPLIT):
         return []
     folder, manifest = read_manifest(cfg.path)
     notes = []
-    if cfg.tokenizer == CORPUS:
+    if cfg.tokenizer == CORPUS_TOKENIZER:
         built = manifest.get("tokenizer")
         if not built:
             raise ValueError(
@@ -90,7 +89,7 @@ def apply_corpus_defaults(cfg) -> list[str]:
         local = resolve_path(built)
         cfg.tokenizer = str(local) if local.exists() else built
         notes.append(f"data.tokenizer={cfg.tokenizer} (the corpus's)")
-    if cfg.val_split == AUTO:
+    if cfg.val_split == AUTO_SPLIT:
         if manifest["splits"].get("val"):
             cfg.val_split, cfg.val_docs = "val", 0
             notes.append("data.val_split=val (the corpus's held-out split), data.val_docs=0")

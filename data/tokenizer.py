@@ -7,6 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from twell.data.config import CORPUS_TOKENIZER
 from twell.data.paths import resolve_path
 
 _OFFLINE_FIX = (
@@ -19,7 +20,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
     """A fast tokenizer with an EOS token; clear errors for a missing folder or an uncached hub name offline."""
     if not name_or_path:
         raise ValueError(f"data.tokenizer is empty: {_OFFLINE_FIX}")
-    if name_or_path == "corpus" and not resolve_path(name_or_path).is_dir():
+    if name_or_path == CORPUS_TOKENIZER and not resolve_path(name_or_path).is_dir():
         raise ValueError(
             "data.tokenizer=corpus (a token corpus's own tokenizer) is filled in from the corpus manifest "
             "by train.py; here give the tokenizer itself: data.tokenizer=<hub name or local folder>"

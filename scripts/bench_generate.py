@@ -338,9 +338,7 @@ def parse_args(argv=None):
             )
     if min(args.batch) < 1:
         p.error(f"--batch {args.batch}: every batch size must be >= 1")
-    if args.quick and not args.device:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.device = bench_device(p, args.device, "--quick")
+    args.device = bench_device(p, args.device, "--quick", cpu_ok=args.quick)
     args.graph = args.graph and torch.device(args.device).type == "cuda"
     args.compile = args.compile and torch.device(args.device).type == "cuda"
     return args

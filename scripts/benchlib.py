@@ -33,13 +33,16 @@ from twell.kernels.training.train import set_sizes, static_misses, twell_ffn
 # ---- timing ---------------------------------------------------------------------------------------
 
 
-def bench_device(parser, given: str | None, smoke: str) -> str:
-    """--device as given; else cuda where there is a GPU, else a parser error naming the smoke test:
-    the presets these scripts time take hours on a CPU, with nothing printed meanwhile."""
+def bench_device(parser, given: str | None, smoke: str, cpu_ok: bool = False) -> str:
+    """--device as given; else cuda where there is a GPU, else cpu when the run is the smoke test itself
+    (cpu_ok), else a parser error naming the smoke test: the presets these scripts time take hours on a
+    CPU, with nothing printed meanwhile."""
     if given:
         return given
     if torch.cuda.is_available():
         return "cuda"
+    if cpu_ok:
+        return "cpu"
     parser.error(
         "no CUDA GPU here: this benchmark times the GPU, and its default models take hours on a CPU. "
         f"A smoke test on the CPU: {smoke}; --device cpu runs the full benchmark on the CPU anyway"

@@ -428,9 +428,19 @@ class Trainer:
                 self.job.train.global_batch_tokens,
             )
         on_off = {True: "on", False: "off"}
+        graphs = f"CUDA graphs {on_off[self.graphed is not None]}"
+        if self._graph_stats is not None:  # sparse FFNs on a GPU: the TwELL op's own graphs may run
+            graphs += f", TwELL op graphs {on_off[self.job.train.twell_graphs]}"
+        elif self.job.train.twell_graphs and self.info.is_main:
+            log.warning(
+                "train.twell_graphs=true has no effect in this run (model.ffn_impl=%s on %s): the TwELL op's "
+                "graphs replay sparse FFN layers (model.ffn_impl=auto or twell) on a GPU",
+                self.job.model.ffn_impl,
+                self.device.type,
+            )
         self._say(
             f"FFN {self.job.model.ffn_impl}, torch.compile {on_off[self.compile_blocks]}, activation "
-            f"checkpointing {on_off[self.checkpoint_blocks]}, CUDA graphs {on_off[self.graphed is not None]}"
+            f"checkpointing {on_off[self.checkpoint_blocks]}, {graphs}"
         )
         self._warm_sparse_path()
         if self.job.model.ffn_impl == "auto":  # measured after the warm-up, which tunes the kernels it times

@@ -517,6 +517,21 @@ def test_a_cpu_run_of_hours_a_step_says_so_at_start(offline_data, tmp_path, monk
     assert "x 256 tokens" in message and "experiment=quickstart" in message
 
 
+def test_op_graphs_asked_for_where_they_cannot_run_say_so(offline_data, tmp_path, caplog):
+    """train.twell_graphs=true on a run without sparse FFNs on a GPU (here: a CPU) does nothing: a warning
+    says so and names what they need, instead of the flag being taken silently."""
+
+    def warned(run_dir, *extra) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="twell.training.trainer"):
+            run_job(tiny_overrides(offline_data, run_dir, 1, *extra))
+        return [r.getMessage() for r in caplog.records if "twell_graphs" in r.getMessage()]
+
+    assert warned(tmp_path / "off") == []
+    (message,) = warned(tmp_path / "on", "train.twell_graphs=true")
+    assert "no effect" in message and "on cpu" in message and "model.ffn_impl=auto or twell" in message
+
+
 def test_lm_eval_subset_in_the_loop(offline_data, offline_tasks, tmp_path, monkeypatch):
     """eval.lm_eval_tasks runs lm-eval on rank 0 in the loop; its per-task accuracy and the mean land in
     the records (and metrics.jsonl) beside val_loss, and training continues exactly as without it."""

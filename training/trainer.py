@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from twell.kernels._common import interpreting
+from twell.model.ffn import kernels_usable
 from twell.training.checkpoint import (
     CONFIG_NAME,
     Checkpointer,
@@ -438,8 +439,11 @@ class Trainer:
                 self.job.model.ffn_impl,
                 self.device.type,
             )
+        ffn = self.job.model.ffn_impl
+        if ffn != "dense" and not kernels_usable(torch.empty(0, device=self.device)):
+            ffn += " (the dense reference's math here: the TwELL kernels run on a GPU, or under TRITON_INTERPRET=1)"
         self._say(
-            f"FFN {self.job.model.ffn_impl}, torch.compile {on_off[self.compile_blocks]}, activation "
+            f"FFN {ffn}, torch.compile {on_off[self.compile_blocks]}, activation "
             f"checkpointing {on_off[self.checkpoint_blocks]}, {graphs}"
         )
         self._warm_sparse_path()

@@ -532,6 +532,22 @@ def test_op_graphs_asked_for_where_they_cannot_run_say_so(offline_data, tmp_path
     assert "no effect" in message and "on cpu" in message and "model.ffn_impl=auto or twell" in message
 
 
+def test_a_sparse_ffn_on_a_cpu_without_the_interpreter_says_it_runs_the_dense_math(
+    offline_data, tmp_path, monkeypatch, capsys
+):
+    """model.ffn_impl=twell on a CPU without TRITON_INTERPRET=1 trains on the dense reference (the same
+    math): the start line says so, rather than "FFN twell" alone; under the interpreter it is the kernels."""
+
+    def start_line(run_dir) -> str:
+        capsys.readouterr()
+        run_job(tiny_overrides(offline_data, run_dir, 1, "model.ffn_impl=twell", "logging.console=true"))
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FFN "))
+
+    assert start_line(tmp_path / "kernels").startswith("FFN twell, torch.compile")  # conftest: interpreter on
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "FFN twell (the dense reference's math here" in start_line(tmp_path / "reference")
+
+
 def test_lm_eval_subset_in_the_loop(offline_data, offline_tasks, tmp_path, monkeypatch):
     """eval.lm_eval_tasks runs lm-eval on rank 0 in the loop; its per-task accuracy and the mean land in
     the records (and metrics.jsonl) beside val_loss, and training continues exactly as without it."""

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import signal
 import sys
 import time
@@ -302,13 +301,14 @@ class Trainer:
         self.graphed = None
         # TwELL entry lists sized deferred (see _micro_steps) wherever the sparse path may run outside a
         # CUDA graph; twell_redos: steps redone because a layer's entries outgrew their capacity.
+        # Whether sparse FFN layers run on the TwELL kernels: on CUDA, or the CPU under Triton's interpreter
+        # (the tests); elsewhere they train on the dense reference (model.ffn.kernels_usable, per call).
+        self.sparse_kernels = mcfg.ffn_impl != "dense" and kernels_usable(torch.empty(0, device=self.device))
         self._kt = None
-        if tcfg.twell_sizes == "deferred" and mcfg.ffn_impl != "dense" and not tcfg.cuda_graph:
-            # where the kernels run: CUDA, or the CPU under Triton's interpreter (the tests)
-            if self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-                import twell.kernels.training.train as kt
+        if tcfg.twell_sizes == "deferred" and self.sparse_kernels and not tcfg.cuda_graph:
+            import twell.kernels.training.train as kt
 
-                self._kt = kt
+            self._kt = kt
         # The TwELL op's per-layer CUDA graphs (train.twell_graphs), and their counters for the logs
         self._graph_stats = None
         if mcfg.ffn_impl != "dense" and self.device.type == "cuda":
@@ -440,7 +440,7 @@ class Trainer:
                 self.device.type,
             )
         ffn = self.job.model.ffn_impl
-        if ffn != "dense" and not kernels_usable(torch.empty(0, device=self.device)):
+        if ffn != "dense" and not self.sparse_kernels:
             ffn += " (the dense reference's math here: the TwELL kernels run on a GPU, or under TRITON_INTERPRET=1)"
         self._say(
             f"FFN {ffn}, torch.compile {on_off[self.compile_blocks]}, activation "

@@ -128,6 +128,10 @@ def capacity_fits(capacity: int, need: int) -> bool:
     return need <= capacity <= SHRINK_BELOW * need
 
 
+def _storage_ptr(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _use_count(storage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
@@ -224,7 +228,16 @@ class _LayerGraphs:
     """One layer's captured forward (see the module doc) for one input layout, K and capacity, and the
     backward graph that reads its saved state."""
 
-    def __init__(self, inputs, K: int, capacity: int, copied: tuple[bool, ...], stages, pool: list) -> None:
+    def __init__(
+        self,
+        inputs,
+        K: int,
+        capacity: int,
+        copied: tuple[bool, ...],
+        stages,
+        pool: list,
+        backward_copied=None,
+    ) -> None:
         x, w_gate = inputs[0], inputs[1]
         M, D, F = x.shape[0], x.shape[1], w_gate.shape[0]
         self.K, self.capacity = K, capacity
@@ -247,6 +260,11 @@ class _LayerGraphs:
         self.count = self.state[3].totals[1:]  # the true entry count, written by the pattern graph
         self.held = _Held([*self.outputs[5:], *_tensors(self.state)])  # y: shared, checked by y_held
         self.backward = None  # captured at the first backward after a replay
+        # Which backward inputs (grad_y, x, weights) its capture copies: what the layer's last backward
+        # graph learned, else x and the weights as the forward found them (the backward reads the same
+        # tensors), so that a forward recapture (capacity, a moved input) does not cost the backward an
+        # extra eager step and capture to learn it again.
+        self.backward_copied = backward_copied or (False, *copied)
         _by_row_ptr[self.outputs[5].data_ptr()] = weakref.ref(self)
 
     def serves(self, inputs, K: int, need: int) -> bool:
@@ -276,16 +294,20 @@ class _LayerGraphs:
             return None
         inputs = (args[0], *args[2:6])  # grad_y, x and the weights; grad_l1 is always copied
         if bw is not None:
-            if not bw.held.idle():  # a previous backward's gradients still in use: neither replay nor capture
-                _stats["busy"] += 1
-                return None
-            if bw.inputs.serve(inputs):
+            idle = bw.idle()
+            if idle and bw.inputs.serve(inputs):
                 _stats["backward_replays"] += 1
                 return bw.replay(inputs, args[1])
+            # Its dx buffer in use (often by this very call's grad_y: the layer above's dx, since a layer
+            # captured while the one above ran eagerly): captured anew on a free one. Other gradients
+            # still in use: neither replay nor capture.
+            if not idle and not (bw.weight_grads_idle() and _free_dx(*_like(inputs[1]))[1].idle()):
+                _stats["busy"] += 1
+                return None
         # Eager on the graph's whole capacity (unused slots: zero gates, past the last column, so they
         # add nothing): the shapes the capture will have, every kernel compiled and tuned for them.
         out = impl(*args[:6], *self.outputs[5:])
-        copied = bw.inputs.moved(inputs) if bw is not None else (False,) * len(inputs)
+        copied = bw.inputs.moved(inputs) if bw is not None else self.backward_copied
         self.backward = None
         try:
             self.backward = _BackwardGraph(self, inputs, args[1], copied, impl)
@@ -306,16 +328,23 @@ class _BackwardGraph:
         self.inputs = _Inputs(inputs, copied, ("dy", "in0", "in1", "in2", "in3"))
         static = self.inputs.at_capture(inputs)
         self.grad_l1 = torch.empty((), dtype=grad_l1.dtype, device=device)
-        outs = [_shared_buffer("dx", inputs[1].shape, inputs[1].dtype, device)[0]]
-        outs += [_shared_buffer(f"dw{i}", w.shape, w.dtype, device)[0] for i, w in enumerate(inputs[2:])]
-        self.outs = outs
-        self.held = _Held(outs)
+        shared = [_free_dx(*_like(inputs[1]))]
+        shared += [_shared_buffer(f"dw{i}", w.shape, w.dtype, device) for i, w in enumerate(inputs[2:])]
+        # The buffers' own use counts (a _Held of this graph's would add a reference to each, which every
+        # other layer's graph on them would then read as a tensor in use)
+        self.outs, self.helds = [b for b, _ in shared], [h for _, h in shared]
         self.graph = torch.cuda.CUDAGraph()
         saved = layer.outputs[5:]
         args = (static[0], self.grad_l1, *static[1:], *saved)
         pool = _backward_pools.setdefault(device.index, [None, None])
         with _capture_stream(device), _capturing(self.graph, pool):
-            impl(*args, outs=outs)
+            impl(*args, outs=self.outs)
+
+    def idle(self) -> bool:
+        return all(held.idle() for held in self.helds)
+
+    def weight_grads_idle(self) -> bool:
+        return all(held.idle() for held in self.helds[1:])
 
     def replay(self, inputs, grad_l1) -> tuple:
         self.inputs.load(inputs)
@@ -324,13 +353,30 @@ class _BackwardGraph:
         return tuple(t.detach() for t in self.outs)
 
 
+def _like(t: Tensor) -> tuple:
+    return t.shape, t.dtype, t.device
+
+
+def _free_dx(shape, dtype, device) -> tuple[Tensor, _Held]:
+    """A dx buffer for a backward capture, of those shared by the layers of one shape, that nothing uses
+    now: the layer above's dx is often still in use, as this layer's grad_y (autograd accumulates the
+    residual's gradient into it in place), so layers take turns on two (a third if both are in use)."""
+    for i in range(3):
+        buf, held = _shared_buffer(f"dx{i}", shape, dtype, device)
+        if held.idle():
+            return buf, held
+    return buf, held  # all in use: the capture's replays find it busy and run eagerly
+
+
 def graphed_backward(args, impl):
     """The backward replayed from the graph of the layer whose forward graph saved this state (args:
     train.py's backward arguments, row_ptr at 6), or None: the caller runs it eagerly (the forward ran
     eagerly, or a previous backward's outputs are still in use). The caller checks eligible() first."""
     ref = _by_row_ptr.get(args[6].data_ptr())
     layer = ref() if ref is not None else None
-    if layer is None or layer.outputs[6].data_ptr() != args[7].data_ptr():
+    # rows by its storage: a layer whose active units were all hot has no cold entries, and an empty
+    # tensor's data_ptr() is 0 (the trainer's 0.5b layers, often: their backward never replayed)
+    if layer is None or _storage_ptr(layer.outputs[6]) != _storage_ptr(args[7]):
         return None
     return layer.backward_for(args, impl)
 
@@ -393,10 +439,13 @@ def graphed_forward(inputs, key, K: int, need: int, stages, eager):
     if out is None:
         return out
     copied = graphs.inputs.moved(inputs) if graphs is not None else (False,) * len(inputs)
+    backward_copied = None
+    if graphs is not None and isinstance(graphs.backward, _BackwardGraph):
+        backward_copied = graphs.backward.inputs.copied
     _graphs.pop(key, None)  # the old graphs' memory goes before the new capture takes its own
     try:
         pool = _layer_pools.setdefault(key, [None, None])
-        _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages, pool)
+        _graphs[key] = _LayerGraphs(inputs, K, capacity, copied, stages, pool, backward_copied)
         _stats["captures"] += 1
     except Exception as e:  # a kernel that cannot be captured here: this layer stays eager
         _graphs[key] = _FAILED

@@ -37,12 +37,12 @@ A replay overwrites the previous call's, so a layer replays only once every tens
 counts say so. A call that finds them alive (two forward passes before one backward, a hook keeping y, a
 bf16 leaf keeping its weight gradient as .grad) runs eagerly instead: slower, never wrong.
 
-Opt-in: set_graphs(True), TWELL_OP_GRAPHS=1 or the trainer's train.twell_graphs=true. Measured on an H100
-(docs/results/2026-12-06-b/): the op's eager fwd+bwd at 16,384 x 2048 x 5632 falls from 3.60 to 2.45 ms
-(2.41x the eager dense step; one whole-step CUDA graph: 2.13 ms), but in the 0.5b trainer the sparse twin
-ran at 157-164k tokens/s with the graphs against 167-171k without (recaptures as activity fell, a pool
-defect since fixed that kept every backward eager); the backward replay's GPU tests and the 1.5b race are
-still to run. graph_stats() counts captures, replays and fallbacks.
+Opt-in: set_graphs(True), TWELL_OP_GRAPHS=1 or the trainer's train.twell_graphs=true. Measured on H100s
+(docs/results/2026-12-07-c/): the op's eager fwd+bwd at 16,384 x 2048 x 5632 takes 2.39-2.56 ms with
+them against 2.66-3.46 without (2.32-2.50x the eager dense step; one whole-step CUDA graph: 2.16-2.17 ms);
+at 65,536 tokens they lose (10.2 against 8.9-9.1 ms). In the compiled trainer the sparse 1.5b twin ran
+5.5% slower with them (62.0k against 65.6k tokens/s, the backward replayed 1,244 times in 1,422), the 0.5b
+twin 3% slower (before the backward's fixes of 773d32e: 133 backward replays in 409). graph_stats() counts captures, replays and fallbacks.
 """
 
 from __future__ import annotations

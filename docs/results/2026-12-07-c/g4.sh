@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
-set -uo pipefail
-t0=$(date +%s)
-source docs/results/2026-12-05/common.sh
-echo "setup $(( $(date +%s) - t0 )) s"; nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 80 python3 -m pytest -q -p no:cacheprovider tests/kernels/training/test_train_graph.py > $OUT/gpu_tests_graph.txt 2>&1
-echo "graph tests rc $? t $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|^FAILED|^E " $OUT/gpu_tests_graph.txt | head -16
+source docs/results/2026-12-07-c/head.sh
+graph_tests
 for c in true false; do
   TWELL_PROBE=1 PYTHONPATH=$PWD/docs/results/2026-12-07-c/probe:$PYTHONPATH timeout 150 python3 train.py experiment=paper_0.5b $RACE_16K train.steps=70 \
     model.ffn_impl=auto train.twell_graphs=true train.compile=$c run_name=p$c run_dir=/tmp/p$c > $OUT/probe_$c.txt 2>&1

@@ -102,7 +102,7 @@ class TrainConfig:
     twell_sizes: str = "estimate"
     # TwELL's forward and backward replayed from CUDA graphs per layer (kernels/training/train_graph.py), in
     # eager and compiled steps: the op's host cost falls from ~1.5 ms a layer to a few graph launches.
-    # Opt-in: the 0.5b race on an H100 ran 4-6% slower with them (docs/results/2026-12-06-b/).
+    # Opt-in: the compiled races on an H100 ran slower with them, 1.5b by 5.5% (docs/results/2026-12-07-c/).
     twell_graphs: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -147,8 +147,22 @@ class TrainConfig:
 
     def _refuse_what_cannot_work(self) -> None:
         """Combinations no run can take, refused before anything is built, naming the one that works."""
+        if self.twell_graphs and self.twell_sizes == "deferred":
+            raise ValueError(
+                "train.twell_graphs=true does not combine with train.twell_sizes=deferred: the TwELL op's "
+                "per-layer graphs replay layers sized from their entry count read back "
+                "(train.twell_sizes=estimate, the default); deferred layers never read it and would never "
+                "replay. Set train.twell_sizes=estimate, or train.twell_graphs=false"
+            )
         if not self.cuda_graph:
             return
+        if self.twell_graphs:
+            raise ValueError(
+                "train.cuda_graph=true does not combine with train.twell_graphs=true: inside the step's one "
+                "CUDA graph the TwELL op's per-layer graphs do not run (the step's graph already removes "
+                "the op's host cost). Set train.twell_graphs=false, or train.cuda_graph=false for the "
+                "per-layer graphs in eager or compiled steps"
+            )
         if self.parallel == "fsdp":
             raise ValueError(
                 "train.cuda_graph=true does not combine with train.parallel=fsdp: FSDP2's parameter gathers "

@@ -193,6 +193,10 @@ def test_cli_refuses_an_unknown_key(tmp_path):
         (["train.compile=true"], "Set train.compile=false .*or train.cuda_graph=false to compile each block"),
         (["train.activation_checkpointing=true"], "Set train.activation_checkpointing=auto .*plan_memory"),
         (["train.device=cpu"], "set train.cuda_graph=false or train.device=auto"),
+        (
+            ["train.twell_graphs=true"],
+            "Set train.twell_graphs=false, or train.cuda_graph=false for the per-layer",
+        ),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_naming_what_works(overrides, fix):
@@ -201,3 +205,16 @@ def test_combinations_that_cannot_work_are_refused_naming_what_works(overrides, 
     with pytest.raises(ValueError, match=f"train.cuda_graph=true (does not combine with|needs).*{fix}"):
         compose_job(["model=1.5b", "train.cuda_graph=true", *overrides])
     compose_job(["model=1.5b", "train.cuda_graph=true"])  # alone it is fine
+
+
+def test_op_graphs_with_deferred_sizes_are_refused_naming_what_works():
+    """The TwELL op's per-layer graphs replay only layers sized from their count read back: with
+    deferred sizes they would never run, so the pair is refused; each alone is taken."""
+    with pytest.raises(
+        ValueError,
+        match="train.twell_graphs=true does not combine with train.twell_sizes=deferred.*"
+        "Set train.twell_sizes=estimate, or train.twell_graphs=false",
+    ):
+        compose_job(["model=1.5b", "train.twell_graphs=true", "train.twell_sizes=deferred"])
+    for one in ("train.twell_graphs=true", "train.twell_sizes=deferred"):
+        compose_job(["model=1.5b", one])

@@ -311,7 +311,7 @@ class Trainer:
             self._kt = kt
         # The TwELL op's per-layer CUDA graphs (train.twell_graphs), and their counters for the logs
         self._graph_stats = None
-        if mcfg.ffn_impl != "dense" and self.device.type == "cuda":
+        if self.sparse_kernels and self.device.type == "cuda":
             from twell.kernels.training.train_graph import graph_stats, set_graphs
 
             set_graphs(tcfg.twell_graphs)

@@ -23,7 +23,8 @@ Memory. Each layer's graphs have a private pool holding what the forward returns
 (the entry list at capacity, the hot units' gate and up values and weight rows, the statistics): the
 state an eager step holds from its forward to its backward, held here between steps too. The dense
 transients (the gate's h [M, d_ff] and bitmask, the hot units' h, y, dx and the weight gradients) live in
-buffers shared by every layer of one shape (the layers run one after another on one stream), allocated
+buffers shared by every layer of one shape (the layers run one after another on one stream; dx in two or
+three that the layers take in turn, since a layer's grad_y is the dx of the layer above), allocated
 outside the graphs; the backward graphs' intermediates share one pool.
 
 Inputs. A graph reads its inputs where they were at capture ("direct"): a call whose x or weights sit
@@ -42,7 +43,8 @@ Opt-in: set_graphs(True), TWELL_OP_GRAPHS=1 or the trainer's train.twell_graphs=
 them against 2.66-3.46 without (2.32-2.50x the eager dense step; one whole-step CUDA graph: 2.16-2.17 ms);
 at 65,536 tokens they lose (10.2 against 8.9-9.1 ms). In the compiled trainer the sparse 1.5b twin ran
 5.5% slower with them (62.0k against 65.6k tokens/s, the backward replayed 1,244 times in 1,422), the 0.5b
-twin 3% slower (before the backward's fixes of 773d32e: 133 backward replays in 409). graph_stats() counts captures, replays and fallbacks.
+twin 3% slower (before the backward's fixes of 773d32e: 133 backward replays in 409). graph_stats() counts
+captures, replays and fallbacks.
 """
 
 from __future__ import annotations
@@ -301,7 +303,7 @@ class _LayerGraphs:
             # Its dx buffer in use (often by this very call's grad_y: the layer above's dx, since a layer
             # captured while the one above ran eagerly): captured anew on a free one. Other gradients
             # still in use: neither replay nor capture.
-            if not idle and not (bw.weight_grads_idle() and _free_dx(*_like(inputs[1]))[1].idle()):
+            if not idle and not (bw.weight_grads_idle() and _free_dx(inputs[1])[1].idle()):
                 _stats["busy"] += 1
                 return None
         # Eager on the graph's whole capacity (unused slots: zero gates, past the last column, so they
@@ -328,7 +330,7 @@ class _BackwardGraph:
         self.inputs = _Inputs(inputs, copied, ("dy", "in0", "in1", "in2", "in3"))
         static = self.inputs.at_capture(inputs)
         self.grad_l1 = torch.empty((), dtype=grad_l1.dtype, device=device)
-        shared = [_free_dx(*_like(inputs[1]))]
+        shared = [_free_dx(inputs[1])]
         shared += [_shared_buffer(f"dw{i}", w.shape, w.dtype, device) for i, w in enumerate(inputs[2:])]
         # The buffers' own use counts (a _Held of this graph's would add a reference to each, which every
         # other layer's graph on them would then read as a tensor in use)
@@ -353,16 +355,12 @@ class _BackwardGraph:
         return tuple(t.detach() for t in self.outs)
 
 
-def _like(t: Tensor) -> tuple:
-    return t.shape, t.dtype, t.device
-
-
-def _free_dx(shape, dtype, device) -> tuple[Tensor, _Held]:
-    """A dx buffer for a backward capture, of those shared by the layers of one shape, that nothing uses
-    now: the layer above's dx is often still in use, as this layer's grad_y (autograd accumulates the
-    residual's gradient into it in place), so layers take turns on two (a third if both are in use)."""
+def _free_dx(x: Tensor) -> tuple[Tensor, _Held]:
+    """A dx buffer (x's shape) for a backward capture, of those shared by the layers of one shape, that
+    nothing uses now: the layer above's dx is often still in use when this layer's backward runs (it is,
+    or flows into, this layer's grad_y), so layers take turns on two (a third if both are in use)."""
     for i in range(3):
-        buf, held = _shared_buffer(f"dx{i}", shape, dtype, device)
+        buf, held = _shared_buffer(f"dx{i}", x.shape, x.dtype, x.device)
         if held.idle():
             return buf, held
     return buf, held  # all in use: the capture's replays find it busy and run eagerly

@@ -10,20 +10,26 @@ tokens/s, peak memory and the loss side by side. What FSDP2 itself costs, with n
 Data: data=local (`python scripts/prepare_offline_data.py`, run here when offline/ is missing). Steps of
 2 micro-batches of 8 x 2048 tokens (grad_accum 2: FSDP2's unsynchronised micro-batch is in the step).
 "steady" is the median tokens/s of the logging windows after --settle steps (compile and autotuning
-happen before). Writes <out>/bench_fsdp.json, <out>/bench_fsdp.md and each run's log and metrics.
-Everything after `--` is extra Hydra overrides for every run.
+happen before). The TwELL runs start from weights calibrated to the paper's activity (model/calibrate.py:
+~29 active units a token; a fresh model has half its units active, where no trained sparse model is), on
+both sides alike; the table gives the mean activity of each run's last window. Writes
+<out>/bench_fsdp.json, <out>/bench_fsdp.md and each run's log and metrics. --quick: the tiny model on the
+CPU (gloo), the output's shape. Everything after `--` is extra Hydra overrides for every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import runpy
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from plan_memory import compose_job
 from race import commit_of, machine_name, read_records, split_extra
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +45,12 @@ FFN = {
     "dense": ["model.ffn_impl=dense", "sparsity=dense"],
     "twell": ["model.ffn_impl=twell", "sparsity=paper"],
 }
+# --quick: the tiny model on the CPU, two micro-batches of 2 x 32 tokens a step
+QUICK = [
+    "model.d_model=64", "model.n_heads=2", "model.d_ff=128", "model.max_seq_len=64", "train.device=cpu",
+    "train.compile=false", "train.micro_batch=2", "train.seq_len=32", "train.global_batch_tokens=128",
+    "logging.log_interval=2",
+]  # fmt: skip
 
 
 def run_overrides(model: str, ffn: str, variant: str, steps: int, run_dir: Path) -> list[str]:
@@ -49,6 +61,51 @@ def run_overrides(model: str, ffn: str, variant: str, steps: int, run_dir: Path)
         "logging.console=false", "eval.interval=0", "checkpoint.interval=0", "checkpoint.save_final=false",
         "checkpoint.resume=none", f"run_name=bench_fsdp_{ffn}_{variant}", f"run_dir={run_dir}",
     ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def calibrated_start(job):
+    """While open, a TwELL job's model (model.ffn_impl=twell) is initialised and then calibrated to the
+    paper's activity (model/calibrate.py) on a batch of the job's own training text, as train.py's
+    build_trainer initialises it (before sharding it under FSDP2); any other job's model as usual."""
+    from twell.model.transformer import Transformer
+
+    if job.model.ffn_impl != "twell":
+        yield
+        return
+
+    import torch
+
+    from twell.data import build_train_stream, load_tokenizer
+    from twell.data.token_shards import apply_corpus_defaults
+    from twell.model.calibrate import calibrate_activity
+
+    init_weights = Transformer.init_weights
+
+    def init_then_calibrate(model):
+        init_weights(model)
+        if model.tok_embeddings.weight.is_meta:  # the constructor's own call, on the meta device
+            return
+        apply_corpus_defaults(job.data)
+        tokenizer = load_tokenizer(job.data.tokenizer)
+        stream = build_train_stream(job.data, tokenizer, job.train.seq_len, 4, 0, 1, 1, job.train.seed + 1)
+        with torch.no_grad():
+            calibrate_activity(model, next(stream)["input_ids"])
+
+    Transformer.init_weights = init_then_calibrate
+    try:
+        yield
+    finally:
+        Transformer.init_weights = init_weights
+
+
+def train_child(overrides: list[str]) -> None:
+    """train.py as its own script (Hydra, run, exit status) on `overrides`, under torchrun, its model
+    started by calibrated_start."""
+    job = compose_job(overrides)  # leaves no Hydra state behind for train.py's own composition
+    sys.argv = [str(ROOT / "train.py"), *overrides]
+    with calibrated_start(job):
+        runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def launch(command: list[str], log_path: Path) -> float:
@@ -79,14 +136,15 @@ def summarize(records: list[dict], settle: int, wall_s: float) -> dict:
         "windows": [r["tokens_per_s"] for r in records],
         "peak_mem_gib": max(r["peak_mem_gib"] or 0.0 for r in records),
         "final_loss": records[-1]["loss"],
+        "active_mean": statistics.fmean(records[-1].get("active_mean") or [float("nan")]),
         "wall_s": wall_s,
     }
 
 
 def table(result: dict) -> str:
     rows = [
-        "| ffn | run | steady tokens/s | vs plain | peak GiB | loss at last step | wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| ffn | run | steady tokens/s | vs plain | peak GiB | loss at last step | active units | wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for ffn, runs in result["runs"].items():
         base = runs.get("plain", {}).get("steady_tokens_per_s")
@@ -94,7 +152,7 @@ def table(result: dict) -> str:
             ratio = f"{s['steady_tokens_per_s'] / base:.3f}x" if base else "n/a"
             rows.append(
                 f"| {ffn} | {name} | {s['steady_tokens_per_s']:,.0f} | {ratio} | {s['peak_mem_gib']:.1f} | "
-                f"{s['final_loss']:.4f} | {s['wall_s']:.0f} |"
+                f"{s['final_loss']:.4f} | {s.get('active_mean', float('nan')):.1f} | {s['wall_s']:.0f} |"
             )
     rows.append("")
     rows.append(
@@ -108,14 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, help="folder for the table, the JSON and the runs")
     parser.add_argument("--model", default="0.5b")
     parser.add_argument("--ffn", nargs="+", default=["dense"], choices=sorted(FFN))
     parser.add_argument("--variants", nargs="+", default=["plain", "fsdp"], choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--settle", type=int, default=10, help="steps left out of the steady speed")
+    parser.add_argument("--quick", action="store_true", help="the tiny model on the CPU: the output's shape")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not (ROOT / "offline" / "tokenizer").exists():
+    if args.child:
+        train_child(extra)
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
+    if args.quick:
+        args.model, extra = "tiny", [*QUICK, *extra]
+    if not any(o.startswith("data.") for o in extra) and not (ROOT / "offline" / "tokenizer").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_offline_data.py")], check=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "steps": args.steps, "settle": args.settle, "extra": extra, "runs": {}}
@@ -128,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ffn} / {variant}: torchrun --nproc_per_node=1 train.py {' '.join(overrides)}", flush=True
             )
             wall = launch(
-                [*TORCHRUN_ONE, str(ROOT / "train.py"), *overrides], args.out / f"{ffn}_{variant}.log"
+                [*TORCHRUN_ONE, __file__, "--child", "--", *overrides], args.out / f"{ffn}_{variant}.log"
             )
             summary = summarize(read_records(run_dir), args.settle, wall)
             result["runs"][ffn][variant] = summary

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_fsdp import FFN, launch, report
+from bench_fsdp import FFN, calibrated_start, launch, report
 from plan_memory import compose_job
 from race import split_extra
 
@@ -76,33 +76,12 @@ def measure(overrides: list[str], result_path: Path) -> None:
     """Build the trainer as train.py does and train; write the peaks of the steps after the first."""
     import torch
 
-    from twell.data import build_train_stream, load_tokenizer
-    from twell.data.token_shards import apply_corpus_defaults
-    from twell.model.calibrate import calibrate_activity
-    from twell.model.transformer import Transformer
-
     entry = runpy.run_path(str(ROOT / "train.py"), run_name="twell_train_entry")
     job = compose_job(overrides)
     tcfg = job.train
     cuda = tcfg.device != "cpu" and torch.cuda.is_available()
-    init_weights = Transformer.init_weights
-
-    def init_then_calibrate(model):
-        """A sparse run starts at the paper's activity, calibrated on the run's own kind of text."""
-        init_weights(model)
-        if model.tok_embeddings.weight.is_meta:  # the constructor's own call, on the meta device
-            return
-        apply_corpus_defaults(job.data)
-        tokenizer = load_tokenizer(job.data.tokenizer)
-        stream = build_train_stream(job.data, tokenizer, tcfg.seq_len, 4, 0, 1, 1, tcfg.seed + 1)
-        with torch.no_grad():
-            calibrate_activity(model, next(stream)["input_ids"])
-
-    if job.model.ffn_impl == "twell":
-        Transformer.init_weights = (
-            init_then_calibrate  # build_trainer initialises the model before sharding it
-        )
-    trainer = entry["build_trainer"](job)
+    with calibrated_start(job):
+        trainer = entry["build_trainer"](job)
     peaks = []
     log_window = trainer._log_window
 

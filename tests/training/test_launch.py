@@ -5,6 +5,7 @@ import os
 import shlex
 import subprocess
 
+import pytest
 from torch.distributed.run import get_args_parser
 from trainer_helpers import ROOT, compose_job
 
@@ -70,3 +71,40 @@ def test_bench_fsdp_summarizes_steady_speed_against_plain():
     result = {"runs": {"dense": {"plain": plain, "fsdp": fsdp}}, "model": "0.5b", "steps": 25}
     text = bench_fsdp.table({**result, "commit": "abc", "machine": "GPU"})
     assert "| dense | fsdp | 206 | 0.980x |" in text
+
+
+def test_quick_bench_fsdp_runs_plain_and_fsdp_from_a_calibrated_start(
+    offline_data, tmp_path, monkeypatch, capsys
+):
+    """scripts/bench_fsdp.py --quick: the tiny model through train.py under torchrun (gloo, one process),
+    plain and FSDP2 for dense and TwELL. The TwELL runs start calibrated to the paper's ~29 active units a
+    token (a fresh model fires about half of its 128), and plain and FSDP2 train the same model: their
+    losses agree to bf16 tolerance."""
+    import json
+
+    import bench_fsdp
+
+    monkeypatch.delenv(
+        "TRITON_INTERPRET", raising=False
+    )  # the TwELL reference path: the shape, not the kernels
+    data = [
+        f"data.path={offline_data}/sample/train-*.parquet", f"data.val_path={offline_data}/sample/val-*.parquet",
+        f"data.tokenizer={offline_data}/tokenizer",
+    ]  # fmt: skip
+    out = tmp_path / "bench"
+    args = ["--out", str(out), "--quick", "--steps", "4", "--settle", "0", "--ffn", "dense", "twell"]
+    assert bench_fsdp.main([*args, "--", *data]) == 0
+    result = json.loads((out / "bench_fsdp.json").read_text())
+    runs = result["runs"]
+    assert sorted(runs) == ["dense", "twell"] and all(sorted(r) == ["fsdp", "plain"] for r in runs.values())
+    for ffn in runs.values():
+        assert ffn["plain"]["final_loss"] == pytest.approx(ffn["fsdp"]["final_loss"], rel=2e-2)
+        assert all(run["steady_tokens_per_s"] > 0 for run in ffn.values())
+    for run in runs["twell"].values():
+        assert run["active_mean"] == pytest.approx(29, rel=0.3)  # calibrated
+    for run in runs["dense"].values():
+        assert run["active_mean"] > 45
+    table = (out / "bench_fsdp.md").read_text()
+    assert (
+        table in capsys.readouterr().out and "| twell | fsdp | " in table and "model tiny, 4 steps" in table
+    )

@@ -38,7 +38,10 @@ VARIANTS = {
     "plain": ["train.parallel=ddp"],
     "fsdp": ["train.parallel=fsdp"],
     # every block's gathered bf16 parameters held from its forward to its backward: one gather a micro-batch
+    # (what auto does on one rank)
     "fsdp_keep": ["train.parallel=fsdp", "train.fsdp_reshard_after_forward=false"],
+    # every block gathered again for its backward (what auto does on several ranks, but for the last block)
+    "fsdp_reshard": ["train.parallel=fsdp", "train.fsdp_reshard_after_forward=true"],
     "fsdp_no_prefetch": ["train.parallel=fsdp", "train.fsdp_prefetch=0"],
 }
 FFN = {

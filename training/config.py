@@ -112,8 +112,9 @@ class TrainConfig:
     # plain model either way.
     parallel: str = "ddp"
     # fsdp only. Free each block's gathered parameters after its forward (gather again for the backward):
-    # auto (every block but the last, which the backward needs first) | true (every block: least
-    # memory) | false (none: one gather per micro-batch, a replica's bf16 parameters held)
+    # auto (every block but the last, which the backward needs first; none on one rank, where nothing is
+    # sharded) | true (every block: least memory) | false (none: one gather per micro-batch, a replica's
+    # bf16 parameters held)
     fsdp_reshard_after_forward: str = "auto"
     # fsdp only: blocks whose all-gather a block issues ahead of its own compute (forward: the next
     # ones, backward: the previous ones); 0 leaves it to FSDP2's implicit prefetch

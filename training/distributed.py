@@ -68,13 +68,15 @@ def _one_rank_group(device: torch.device) -> None:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
 
 
-def fsdp_block_reshards(n_blocks: int, setting: str) -> list[bool]:
+def fsdp_block_reshards(n_blocks: int, setting: str, world_size: int) -> list[bool]:
     """Per block, whether FSDP2 frees its gathered parameters after the forward (train.fsdp_reshard_after_forward):
     true, every block (least memory: each block is gathered again for its backward); false, none (one
     gather per micro-batch; every block's gathered parameters are held from its forward to its backward);
-    auto, every block but the last, which the backward needs first: gathering it again would follow at once."""
+    auto, every block but the last, which the backward needs first (gathering it again would follow at
+    once), and none on one rank: there a gather is a whole-model bf16 cast that frees nothing a plain run
+    keeps (its autocast holds the same bf16 weights from the forward to the backward)."""
     if setting == "auto":
-        return [index < n_blocks - 1 for index in range(n_blocks)]
+        return [world_size > 1 and index < n_blocks - 1 for index in range(n_blocks)]
     return [setting == "true"] * n_blocks
 
 
@@ -116,7 +118,9 @@ def shard_model(
     else:
         block_policy = MixedPrecisionPolicy()
     blocks = list(model.layers)
-    for block, reshard in zip(blocks, fsdp_block_reshards(len(blocks), reshard_after_forward)):
+    for block, reshard in zip(
+        blocks, fsdp_block_reshards(len(blocks), reshard_after_forward, dist.get_world_size())
+    ):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
     fully_shard(model, mesh=mesh)  # fp32 parameters, fp32 reduction
     if prefetch:

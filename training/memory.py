@@ -13,7 +13,7 @@ Per GPU, in bytes:
   whose bf16 cast autocast saves as well, and the final norm: gathered once and held through the backward)
   and the blocks' in bf16 (fp32 without bf16): the block being computed and the ones prefetched
   (train.fsdp_prefetch, at least FSDP2's own one) at the peak, or every block when
-  train.fsdp_reshard_after_forward=false keeps them from the forward to the backward;
+  train.fsdp_reshard_after_forward=false (or auto on one rank) keeps them from the forward to the backward;
 - activations saved for the backward pass, per token and layer (block_bytes_besides_sparse_state), in an
   eager bf16-autocast step (counted from the model's code in model/layers.py and model/ffn.py):
     RMSNorm x2        fp32 input and normalised output: 8 d each
@@ -152,11 +152,12 @@ def root_params(cfg) -> int:
     return cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) + cfg.d_model
 
 
-def fsdp_gathered_blocks(n_layers: int, reshard_after_forward: str, prefetch: int) -> int:
+def fsdp_gathered_blocks(n_layers: int, reshard_after_forward: str, prefetch: int, world_size: int) -> int:
     """Blocks whose unsharded parameters FSDP2 holds at the step's peak (the start of the backward pass):
-    every one when none is resharded after its forward; else the block computed and those prefetched
-    (FSDP2 prefetches one itself when train.fsdp_prefetch=0)."""
-    if reshard_after_forward == "false":
+    every one when none is resharded after its forward (false, or auto on one rank:
+    training.distributed.fsdp_block_reshards); else the block computed and those prefetched (FSDP2
+    prefetches one itself when train.fsdp_prefetch=0)."""
+    if reshard_after_forward == "false" or (reshard_after_forward == "auto" and world_size == 1):
         return n_layers
     return min(n_layers, 1 + max(prefetch, 1))
 
@@ -191,7 +192,7 @@ def estimate_training_memory(
     compute_bytes = 2 if bf16 else 4
     if sharded:
         root = root_params(cfg)
-        blocks = fsdp_gathered_blocks(cfg.n_layers, reshard_after_forward, prefetch)
+        blocks = fsdp_gathered_blocks(cfg.n_layers, reshard_after_forward, prefetch, world_size)
         head_cast = 2 * cfg.vocab_size * cfg.d_model if bf16 else 0
         compute_weights = 4 * root + head_cast + compute_bytes * blocks * (n_params - root) // cfg.n_layers
     else:

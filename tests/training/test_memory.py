@@ -49,6 +49,12 @@ def test_compute_weights_and_gradients_under_each_parallel_mode():
     assert fsdp.grads == 4 * n // 8
     kept = estimate(world_size=8, sharded=True, reshard_after_forward="false")
     assert kept.compute_weights == 4 * root + head_cast + 2 * layers * block
+    one_rank = estimate(world_size=1, sharded=True)  # auto keeps every block gathered on one rank
+    assert one_rank.compute_weights == kept.compute_weights
+    assert (
+        estimate(world_size=1, sharded=True, reshard_after_forward="true").compute_weights
+        == fsdp.compute_weights
+    )
     assert (
         estimate(world_size=8, sharded=True, prefetch=2).compute_weights == fsdp.compute_weights + 2 * block
     )
@@ -293,3 +299,18 @@ def test_sparse_state_follows_the_hot_units_and_checkpointing_keeps_it():
             full = estimate(activation_checkpointing=True, sparse_ffn=sparse, keep_ffn_state=keep)
             kept = 4 * 2048 * tokens + (per_token * tokens + per_layer if sparse and keep else 0)
             assert full.activations == layers * kept
+
+
+def test_fsdp_auto_reshards_every_block_but_the_last_on_several_ranks_and_none_on_one():
+    """On one rank a gather is a bf16 cast of the whole model and resharding frees nothing that a plain
+    run keeps; the planner counts the gathered blocks that the sharding holds."""
+    from twell.training.distributed import fsdp_block_reshards
+    from twell.training.memory import fsdp_gathered_blocks
+
+    assert fsdp_block_reshards(4, "auto", 2) == [True, True, True, False]
+    assert fsdp_block_reshards(4, "auto", 1) == [False] * 4
+    assert (
+        fsdp_block_reshards(4, "true", 1) == [True] * 4 and fsdp_block_reshards(4, "false", 8) == [False] * 4
+    )
+    assert fsdp_gathered_blocks(4, "auto", 1, 1) == 4 and fsdp_gathered_blocks(4, "auto", 1, 2) == 2
+    assert fsdp_gathered_blocks(4, "true", 1, 1) == 2 and fsdp_gathered_blocks(4, "false", 1, 8) == 4

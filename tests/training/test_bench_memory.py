@@ -10,19 +10,12 @@ from trainer_helpers import compose_job
 from twell.training.memory import GIB, estimate_training_memory
 
 
-def test_quick_bench_writes_the_plan_against_measured_table(offline_data, tmp_path, monkeypatch, capsys):
+def test_quick_bench_writes_the_plan_against_measured_table(quick_bench_data, tmp_path, capsys):
     import bench_memory  # scripts/, on sys.path through tests/conftest.py
 
-    monkeypatch.delenv(
-        "TRITON_INTERPRET", raising=False
-    )  # the TwELL reference path: the shape, not the kernels
-    data = [
-        f"data.path={offline_data}/sample/train-*.parquet", f"data.val_path={offline_data}/sample/val-*.parquet",
-        f"data.tokenizer={offline_data}/tokenizer",
-    ]  # fmt: skip
     out = tmp_path / "bench"
     args = ["--out", str(out), "--quick", "--steps", "2", "--ffn", "dense", "twell", "--checkpointing", "on"]
-    assert bench_memory.main([*args, "--", *data]) == 0
+    assert bench_memory.main([*args, "--", *quick_bench_data]) == 0
     result = json.loads((out / "bench_memory.json").read_text())
     runs = {(r["model"], r["ffn"], r["activation_checkpointing"]): r for r in result["runs"]}
     assert sorted(runs) == [("tiny", "dense", True), ("tiny", "twell", True)]

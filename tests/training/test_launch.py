@@ -73,9 +73,7 @@ def test_bench_fsdp_summarizes_steady_speed_against_plain():
     assert "| dense | fsdp | 206 | 0.980x |" in text
 
 
-def test_quick_bench_fsdp_runs_plain_and_fsdp_from_a_calibrated_start(
-    offline_data, tmp_path, monkeypatch, capsys
-):
+def test_quick_bench_fsdp_runs_plain_and_fsdp_from_a_calibrated_start(quick_bench_data, tmp_path, capsys):
     """scripts/bench_fsdp.py --quick: the tiny model through train.py under torchrun (gloo, one process),
     plain and FSDP2 for dense and TwELL. The TwELL runs start calibrated to the paper's ~29 active units a
     token (a fresh model fires about half of its 128), and plain and FSDP2 train the same model: their
@@ -84,16 +82,9 @@ def test_quick_bench_fsdp_runs_plain_and_fsdp_from_a_calibrated_start(
 
     import bench_fsdp
 
-    monkeypatch.delenv(
-        "TRITON_INTERPRET", raising=False
-    )  # the TwELL reference path: the shape, not the kernels
-    data = [
-        f"data.path={offline_data}/sample/train-*.parquet", f"data.val_path={offline_data}/sample/val-*.parquet",
-        f"data.tokenizer={offline_data}/tokenizer",
-    ]  # fmt: skip
     out = tmp_path / "bench"
     args = ["--out", str(out), "--quick", "--steps", "4", "--settle", "0", "--ffn", "dense", "twell"]
-    assert bench_fsdp.main([*args, "--", *data]) == 0
+    assert bench_fsdp.main([*args, "--", *quick_bench_data]) == 0
     result = json.loads((out / "bench_fsdp.json").read_text())
     runs = result["runs"]
     assert sorted(runs) == ["dense", "twell"] and all(sorted(r) == ["fsdp", "plain"] for r in runs.values())

@@ -28,6 +28,15 @@ def _load_train_entry():
 train = _load_train_entry()
 
 
+def offline_data_overrides(offline: Path) -> list[str]:
+    """The data keys of a run on the offline sample that prepare_offline_data.py built in `offline`."""
+    return [
+        f"data.path={offline}/sample/train-*.parquet",
+        f"data.val_path={offline}/sample/val-*.parquet",
+        f"data.tokenizer={offline}/tokenizer",
+    ]
+
+
 def tiny_overrides(offline: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     """A model and batch small enough for a 2-core CPU: 2 layers, d 64, 4 x 32 tokens per micro-batch,
     two micro-batches per step, one log record per step."""
@@ -38,9 +47,7 @@ def tiny_overrides(offline: Path, run_dir: Path, steps: int, *extra: str) -> lis
         "model.d_ff=128",
         "model.max_seq_len=64",
         "sparsity=dense",
-        f"data.path={offline}/sample/train-*.parquet",
-        f"data.val_path={offline}/sample/val-*.parquet",
-        f"data.tokenizer={offline}/tokenizer",
+        *offline_data_overrides(offline),
         "train.seq_len=32",
         "train.micro_batch=4",
         "train.global_batch_tokens=256",

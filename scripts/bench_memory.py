@@ -31,19 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import runpy
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_fsdp import FFN, calibrated_start, launch, report
+from bench_fsdp import FFN, TINY_CPU, calibrated_start, ensure_offline_data, launch, report
 from plan_memory import compose_job
 from race import split_extra
 
 from twell.training.memory import GIB, RESERVE_BYTES, estimate_training_memory, job_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["model.d_model=64", "model.n_heads=2", "model.d_ff=128", "model.max_seq_len=64", "train.device=cpu"]
+QUICK = TINY_CPU
 
 
 def run_overrides(model: str, ffn: str, checkpointing: bool, args, run_dir: Path) -> list[str]:
@@ -162,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.models, args.micro_batch, args.seq_len = ["tiny"], 2, 32
     args.extra = extra
-    if not any(o.startswith("data.") for o in extra) and not (ROOT / "offline" / "tokenizer").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_offline_data.py")], check=True)
+    ensure_offline_data(extra)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "parallel": "FSDP2 (one rank)" if args.parallel == "fsdp" else "one process",

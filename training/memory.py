@@ -60,6 +60,7 @@ from dataclasses import dataclass
 # takes none under the interpreter: the planner plans for the GPU).
 from twell.kernels.inference.inference import DEFAULT_HOT_UNITS, HOT_MIN_TOKENS
 from twell.kernels.training.train import compiled_selective_checkpointing
+from twell.training.distributed import fsdp_block_reshards
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -157,7 +158,7 @@ def fsdp_gathered_blocks(n_layers: int, reshard_after_forward: str, prefetch: in
     every one when none is resharded after its forward (false, or auto on one rank:
     training.distributed.fsdp_block_reshards); else the block computed and those prefetched (FSDP2
     prefetches one itself when train.fsdp_prefetch=0)."""
-    if reshard_after_forward == "false" or (reshard_after_forward == "auto" and world_size == 1):
+    if not any(fsdp_block_reshards(n_layers, reshard_after_forward, world_size)):
         return n_layers
     return min(n_layers, 1 + max(prefetch, 1))
 

@@ -87,7 +87,7 @@ def shard_model(
     bf16: bool,
     reshard_after_forward: str = "auto",
     prefetch: int = 1,
-) -> None:
+) -> list[nn.Module]:
     """FSDP2 (`fully_shard`) over all ranks, one rank included: each transformer block is one shard
     group, then the root (token embedding, which is also the tied output head, and the final norm) is
     one more.
@@ -105,7 +105,11 @@ def shard_model(
 
     prefetch: each block issues the all-gather of the next `prefetch` blocks at the start of its forward
     (and of the `prefetch` blocks before it in the backward), so a host sync inside a block (the TwELL
-    op's exact-size calls) cannot delay the next gather; 0 leaves FSDP2's implicit prefetch alone."""
+    op's exact-size calls) cannot delay the next gather; 0 leaves FSDP2's implicit prefetch alone.
+
+    Returns the modules that stay gathered from their forward to their backward (the blocks that do not
+    reshard after the forward, and the root once every block does not): set_gathered_between_micro_batches
+    keeps them gathered from one micro-batch to the next as well."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -118,16 +122,29 @@ def shard_model(
     else:
         block_policy = MixedPrecisionPolicy()
     blocks = list(model.layers)
-    for block, reshard in zip(
-        blocks, fsdp_block_reshards(len(blocks), reshard_after_forward, dist.get_world_size())
-    ):
+    reshards = fsdp_block_reshards(len(blocks), reshard_after_forward, dist.get_world_size())
+    for block, reshard in zip(blocks, reshards):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
     fully_shard(model, mesh=mesh)  # fp32 parameters, fp32 reduction
+    held = [block for block, reshard in zip(blocks, reshards) if not reshard]
     if prefetch:
         model.set_modules_to_forward_prefetch(blocks[:prefetch])
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch) : index][::-1])
+    # FSDP2 never reshards the root after its forward; it is worth holding with the blocks when they all are
+    return held + [model] if len(held) == len(blocks) else held
+
+
+def set_gathered_between_micro_batches(held: list[nn.Module], last: bool) -> None:
+    """Before a micro-batch: whether the modules shard_model returned reshard after its backward (only after
+    the step's last micro-batch, whose gradients the optimizer applies to the shards; the gathered copies
+    are stale from then on). In between they stay gathered for the next micro-batch's forward, which then
+    gathers nothing: they hold no more memory than from their forward to their backward, which they
+    already do. On one rank a gather is a bf16 cast of the whole model, which this saves at every
+    micro-batch but the first (plain training casts at every one)."""
+    for module in held:
+        module.set_reshard_after_backward(last, recurse=False)
 
 
 def barrier() -> None:

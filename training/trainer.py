@@ -46,7 +46,14 @@ from twell.training.checkpoint import (
     restore_rng,
 )
 from twell.training.config import JobConfig
-from twell.training.distributed import DistInfo, all_reduce_, any_rank, barrier, shard_model
+from twell.training.distributed import (
+    DistInfo,
+    all_reduce_,
+    any_rank,
+    barrier,
+    set_gathered_between_micro_batches,
+    shard_model,
+)
 from twell.training.loggers import RunLogger
 from twell.training.memory import GIB, choose_activation_checkpointing, job_settings
 from twell.training.metrics import mfu, peak_flops, peak_memory_gib
@@ -258,8 +265,9 @@ class Trainer:
         apply_block_wrappers(self.model, self.checkpoint_blocks, self.compile_blocks)
         self.forward_model = self.model
         self._graph_stream = None  # DDP under CUDA graphs: the stream DDP is built and captured on
+        self._held_gathered: list[nn.Module] = []  # FSDP2 modules kept gathered between micro-batches
         if self.sharded:
-            shard_model(  # wrappers first, then fully_shard (as torchtitan)
+            self._held_gathered = shard_model(  # wrappers first, then fully_shard (as torchtitan)
                 self.model, self.device, bf16=self.precision == "bf16",
                 reshard_after_forward=tcfg.fsdp_reshard_after_forward, prefetch=tcfg.fsdp_prefetch,
             )  # fmt: skip
@@ -684,6 +692,7 @@ class Trainer:
         accumulate locally (DDP: no_sync; FSDP2: unsharded gradients, no reduce-scatter)."""
         if self.sharded:
             self.model.set_requires_gradient_sync(last)
+            set_gathered_between_micro_batches(self._held_gathered, last)
             return contextlib.nullcontext()
         if last or not self.info.enabled:
             return contextlib.nullcontext()

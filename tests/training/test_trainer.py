@@ -278,6 +278,43 @@ def test_fsdp_resume_gives_bit_identical_losses(parallel_runs, tmp_path):
     assert losses(read_jsonl(tmp_path / "metrics.jsonl")) == {step: reference[step] for step in range(7, 13)}
 
 
+def test_one_rank_fsdp_gathers_once_a_step_and_trains_as_gathering_every_micro_batch(offline_data, tmp_path):
+    """FSDP2 on one rank (auto: no block reshards) keeps the blocks and the root gathered from one
+    micro-batch to the next and reshards after the step's last backward: one gather a step instead of one
+    a micro-batch, and the very losses of a run that gathers again for every forward and backward (a
+    gathered copy left stale by the optimizer step would move them)."""
+    from torch.distributed.tensor import DTensor
+
+    from twell.training.distributed import destroy
+
+    steps, micro_batches = 3, 4
+
+    def run(name, *extra):
+        job = compose_job(tiny_overrides(
+            offline_data, tmp_path / name, steps, "train.parallel=fsdp", "train.global_batch_tokens=512", *extra
+        ))  # fmt: skip
+        trainer = train.build_trainer(job)
+        model, micro_loss, sharded = trainer.model, trainer._micro_loss, []
+
+        def recording(*args, **kwargs):  # which parameters are shards (not gathered) as a micro-batch starts
+            params = [model.tok_embeddings.weight, *(block.ffn.w_gate for block in model.layers)]
+            sharded.append(tuple(isinstance(p, DTensor) for p in params))
+            return micro_loss(*args, **kwargs)
+
+        trainer._micro_loss = recording
+        return losses(trainer.fit()), sharded
+
+    try:
+        held, held_sharded = run("auto")
+        regathered, regathered_sharded = run("true", "train.fsdp_reshard_after_forward=true")
+    finally:
+        destroy()  # the one-rank process group FSDP2 made in this process
+    modules = 3  # the root and 2 blocks
+    assert held_sharded == ([(True,) * modules] + [(False,) * modules] * (micro_batches - 1)) * steps
+    assert regathered_sharded == [(True,) * modules] * (micro_batches * steps)
+    assert len(held) == steps and held == regathered
+
+
 def _full_state(trainer) -> dict:
     """Model and optimizer state as plain full tensors keyed by parameter name (a collective under
     FSDP2: the shards are all-gathered)."""

@@ -52,6 +52,13 @@ FFN = {
     # so the TwELL runs train at a learning rate that leaves it where the calibration put it.
     "twell": ["model.ffn_impl=twell", "sparsity=paper", "optim.lr=1e-12"],
 }
+# Sequences of the job's text that calibrated_start calibrates on. The thresholds fit the calibration batch
+# exactly and other text less well the deeper the layer, the fewer tokens they were set on: a 28-layer CPU
+# model (d_model 512, 7.25 units a token targeted) showed 7.4-14.4 units by depth on fresh text when
+# calibrated on 4 sequences of 2048 tokens, 7.3-10.5 on 16, and 6.8-8.2 on 32 of 512 tokens (2026-12-07);
+# the 1.5b trainer on an H100 (target 29) ran at a mean of 196 units (30 in its first layer, ~290 in its
+# last) calibrated on 4 sequences and at 68 on 16 (docs/results/2026-12-07-e/).
+CALIBRATION_SEQUENCES = 32
 # The bench scripts' --quick model: the tiny preset cut to what a 2-core CPU trains in seconds
 TINY_CPU = [
     "model.d_model=64",
@@ -102,9 +109,13 @@ def calibrated_start(job):
             return
         apply_corpus_defaults(job.data)
         tokenizer = load_tokenizer(job.data.tokenizer)
-        stream = build_train_stream(job.data, tokenizer, job.train.seq_len, 4, 0, 1, 1, job.train.seed + 1)
+        stream = build_train_stream(
+            job.data, tokenizer, job.train.seq_len, CALIBRATION_SEQUENCES, 0, 1, 1, job.train.seed + 1
+        )
         with torch.no_grad():
             calibrate_activity(model, next(stream)["input_ids"])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the calibration's activations are not the run's memory
 
     Transformer.init_weights = init_then_calibrate
     try:

@@ -74,9 +74,7 @@ class DataConfig:
     retries: int = 8
     # micro-batches a background thread reads, tokenizes and packs ahead of the training loop
     # (data/prefetch.py); 0: on the training thread. Resume is exact for any value. Every configs/data group
-    # sets it (4, shards 2): on the training thread the offline sample's tokenization held a compiled 0.5b
-    # step on an H100 for 56-75 of its ~226 ms (docs/results/2026-12-07-e/); 4 ahead, the loop does not
-    # wait (docs/RESULTS.md, "Data loading in the trainer"). 0 here: a stream built in code has no thread.
+    # sets it (4; shards 2: docs/RESULTS.md, "Data loading in the trainer"); a stream built in code has none.
     prefetch: int = 0
     retry_backoff_s: float = 1.0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import runpy
 import statistics
@@ -52,12 +53,9 @@ FFN = {
     # so the TwELL runs train at a learning rate that leaves it where the calibration put it.
     "twell": ["model.ffn_impl=twell", "sparsity=paper", "optim.lr=1e-12"],
 }
-# Sequences of the job's text that calibrated_start calibrates on. The thresholds fit the calibration batch
-# exactly and other text less well the deeper the layer, the fewer tokens they were set on: a 28-layer CPU
-# model (d_model 512, 7.25 units a token targeted) showed 7.4-14.4 units by depth on fresh text when
-# calibrated on 4 sequences of 2048 tokens, 7.3-10.5 on 16, and 6.8-8.2 on 32 of 512 tokens (2026-12-07);
-# the 1.5b trainer on an H100 (target 29) ran at a mean of 196 units (30 in its first layer, ~290 in its
-# last) calibrated on 4 sequences and at 68 on 16 (docs/results/2026-12-07-e/).
+# Sequences of the job's text that calibrated_start calibrates on: the thresholds fit other text the less
+# well the deeper the layer and the fewer tokens they were set on (on 4 sequences the 1.5b's last layers
+# fired at ~290 units a token against 29; docs/results/2026-12-07-e/README.md).
 CALIBRATION_SEQUENCES = 32
 # The bench scripts' --quick model: the tiny preset cut to what a 2-core CPU trains in seconds
 TINY_CPU = [
@@ -109,9 +107,11 @@ def calibrated_start(job):
             return
         apply_corpus_defaults(job.data)
         tokenizer = load_tokenizer(job.data.tokenizer)
+        # One batch is read: no read-ahead thread (data.prefetch) making batches nobody takes.
         stream = build_train_stream(
-            job.data, tokenizer, job.train.seq_len, CALIBRATION_SEQUENCES, 0, 1, 1, job.train.seed + 1
-        )
+            dataclasses.replace(job.data, prefetch=0), tokenizer, job.train.seq_len, CALIBRATION_SEQUENCES,
+            0, 1, 1, job.train.seed + 1,
+        )  # fmt: skip
         with torch.no_grad():
             calibrate_activity(model, next(stream)["input_ids"])
         if torch.cuda.is_available():

@@ -55,8 +55,8 @@ def test_loss_falls_on_the_sample(offline_data, tmp_path):
 
 
 def test_prefetch_thread_gives_the_same_losses_and_logs_data_wait(offline_data, tmp_path):
-    """data.prefetch makes the batches on a background thread (0: on the training thread): the same losses; every logging window
-    reports data_wait_s, the seconds the loop waited for data."""
+    """data.prefetch makes the batches on a background thread (0: on the training thread): the same
+    losses; every logging window reports data_wait_s, the seconds the loop waited for data."""
     plain = run_job(tiny_overrides(offline_data, tmp_path / "plain", 4, "data.prefetch=0"))
     ahead = run_job(tiny_overrides(offline_data, tmp_path / "ahead", 4, "data.prefetch=3"))
     assert losses(ahead) == losses(plain)

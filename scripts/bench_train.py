@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sizes", nargs="*", choices=(*SIZES, "deferred"), default=["estimate"],
         help="how the op sizes its entry list: estimate (default, no sync while the gate runs), exact, "
-        "static, or deferred (fixed sizes settled once per step, as the trainer runs it)",
+        "static, late (the forward never waits; the backward checks), or deferred (fixed sizes settled once "
+        "per step, as the trainer runs it)",
     )  # fmt: skip
     p.add_argument(
         "--twell-compile", action="store_true", help="also time TwELL under torch.compile (rows *_compiled)"

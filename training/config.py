@@ -95,10 +95,11 @@ class TrainConfig:
     # of layers to it costs nothing mid-run (Trainer._warm_sparse_path)
     warm_up: bool = True
     # How the TwELL training op sizes each layer's entry list (kernels/training/train.py, SIZES): estimate (each
-    # sparse layer reads its count back after issuing its forward: one host sync a layer) | deferred (no
-    # layer waits; the step's counts are checked once before the optimizer step, a step that missed is
-    # redone). One H200, paper_0.5b, 16k-token steps: estimate 171k tokens/s, deferred 136k, dense 144k
-    # (docs/results/twell_sizes/): estimate is the default, deferred the A/B switch of issue 31's work.
+    # sparse layer reads its count back after issuing its forward: one host sync a layer) | late (no
+    # forward waits: the outputs are exact whatever the count, and the backward checks it, rebuilding a
+    # layer's entries that did not fit) | deferred (no layer waits; the step's counts are checked once
+    # before the optimizer step, a step that missed is redone). One H200, paper_0.5b, 16k-token steps:
+    # estimate 171k tokens/s, deferred 136k, dense 144k (docs/results/twell_sizes/).
     twell_sizes: str = "estimate"
     # TwELL's forward and backward replayed from CUDA graphs per layer (kernels/training/train_graph.py), in
     # eager and compiled steps: the op's host cost falls from ~1.5 ms a layer to a few graph launches.
@@ -124,7 +125,7 @@ class TrainConfig:
         _choice("train.precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("train.parallel", self.parallel, PARALLEL_MODES)
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
-        _choice("train.twell_sizes", self.twell_sizes, ("deferred", "estimate"))
+        _choice("train.twell_sizes", self.twell_sizes, ("deferred", "estimate", "late"))
         self.compile = _auto_bool("train.compile", self.compile)
         self.activation_checkpointing = _auto_bool(
             "train.activation_checkpointing", self.activation_checkpointing

@@ -313,10 +313,13 @@ class Trainer:
         # (the tests); elsewhere they train on the dense reference (model.ffn.kernels_usable, per call).
         self.sparse_kernels = mcfg.ffn_impl != "dense" and kernels_usable(torch.empty(0, device=self.device))
         self._kt = None
-        if tcfg.twell_sizes == "deferred" and self.sparse_kernels and not tcfg.cuda_graph:
+        if self.sparse_kernels:
             import twell.kernels.training.train as kt
 
-            self._kt = kt
+            # estimate and late are the op's process-wide setting; deferred is set around each step
+            kt.set_sizes("late" if tcfg.twell_sizes == "late" else "estimate")
+            if tcfg.twell_sizes == "deferred" and not tcfg.cuda_graph:
+                self._kt = kt
         # The TwELL op's per-layer CUDA graphs (train.twell_graphs), and their counters for the logs
         self._graph_stats = None
         if self.sparse_kernels and self.device.type == "cuda":

@@ -71,7 +71,13 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # never read back, each call's true count stays on the device, and the loop settles them all once per
 # step (DeferredSizes.settle: one host sync) before it applies the gradients, redoing the step on a miss.
 # Only deferred_sizes() selects it, so a call outside such a block can never return unchecked results.
-SIZES = ("estimate", "exact", "static")
+# "late" sizes as "estimate" but the forward never waits: the entry list takes the estimate's slots and
+# the positives past them count in y and L1 straight from the dense h (the row kernel's past-capacity
+# walk), so the forward's outputs are exact whatever the count. The count (row_ptr[M]) is read when it
+# is long computed: the layer's next call sizes itself from it, and the backward, which needs every entry,
+# cuts the list to it or, on a miss, rebuilds the layer's entries exactly from x (_entries_checked).
+# A forward and its backward must run under the same setting.
+SIZES = ("estimate", "exact", "static", "late")
 # Headroom of a sized capacity over the entry count it is sized from (_with_margin). A CUDA graph's
 # owner captures with a wider one after capacity misses (capacity_headroom, training/cuda_graph.py).
 DEFAULT_HEADROOM = 0.125
@@ -130,7 +136,8 @@ def capacity_headroom(frac: float):
 
 def set_sizes(mode: str) -> None:
     """How the forward sizes its entry list: "estimate" (default, no host sync while the gate runs),
-    "exact" (one sync per call) or "static" (no read-back at all: CUDA graphs; see SIZES)."""
+    "exact" (one sync per call), "static" (no read-back at all: CUDA graphs) or "late" (the forward
+    never waits; the backward checks; see SIZES)."""
     if mode not in SIZES:
         raise ValueError(f"sizes {mode!r} is unknown; choose one of {SIZES}")
     _settings["sizes"] = mode
@@ -225,6 +232,7 @@ def forget_sizes(layers) -> None:
     layers = list(layers)
     for key in layers:
         _capacities.pop(key, None)
+        _late_last.pop(key, None)
     drop_graphs(layers)
 
 
@@ -342,6 +350,11 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     if not capturing and x.device not in _misses:  # made outside any capture, for a later one
         static_misses(x.device)
     mode = "static" if capturing else _settings["sizes"]
+    # Under sizes "late" the layer's last call, long computed by now, sizes this one; not while a backward
+    # runs: an activation-checkpointed block recomputes the call there and must get the same capacity
+    # (torch.utils.checkpoint checks that the recomputed tensors have the saved ones' shapes).
+    if mode == "late" and torch._C._current_graph_task_id() == -1:
+        _settle_late(key, (M, K))
     history = _capacities.get(key)
     capacity = history.get((M, K), 0) if history and mode != "exact" else 0
     if mode == "static" and not capacity and capturing:
@@ -353,11 +366,15 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     if capacity and mode in ("static", "deferred"):  # fixed size, never read back
         deferred = _deferred if mode == "deferred" else None
         return _forward(x, w_gate, w_up, w_down, K, capacity, static=True, deferred=deferred, key=key)
-    if capacity and mode == "estimate" and eligible(x):  # replayed from the layer's CUDA graphs
+    if capacity and mode in ("estimate", "late") and eligible(x):  # replayed from the layer's CUDA graphs
         out = graphed_forward(
             (x, w_gate, w_up, w_down), key, K, capacity, (_pattern_stage, _product_stage),
             lambda cap: _forward(x, w_gate, w_up, w_down, K, cap),
         )  # fmt: skip
+    elif capacity and mode == "late":  # exact outputs at once; the count is read by the next call
+        out = _forward(x, w_gate, w_up, w_down, K, capacity, late=True)
+        _record_late(key, (M, K), out[5])
+        return out
     else:
         out = _forward(x, w_gate, w_up, w_down, K, capacity) if capacity else None  # None: it did not fit
     if out is None:
@@ -380,15 +397,75 @@ def _ffn_train_fwd(
     return _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
 
 
-def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, key=None):
+class _LateCount:
+    """One late call's entry count (int32 [1] on the device: its row_ptr[M]), copied to pinned host memory
+    behind the kernels that computed it; read() waits for that copy only (by the time the count is read,
+    long done). Not `int(row_ptr[M])`: that would wait for everything the host has issued since."""
+
+    def __init__(self, nnz: Tensor):
+        cuda = nnz.is_cuda
+        self._host = torch.empty(1, dtype=torch.int32, pin_memory=cuda)
+        self._host.copy_(nnz, non_blocking=cuda)
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host[0])
+
+
+# Late calls' counts: the last of each layer (keyed like _capacities) and (tokens, hot units), until it
+# sizes the layer's next call; and every call's, by its row_ptr (saved for its backward), while it lives.
+_late_last: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_late_by_list: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _record_late(key, shape, row_ptr: Tensor) -> None:
+    count = _LateCount(row_ptr[row_ptr.numel() - 1 :])
+    _late_last.setdefault(key, {})[shape] = count
+    _late_by_list[row_ptr] = count
+
+
+def _settle_late(key, shape) -> None:
+    """Size the layer's next call from its last late call's entry count, if one is unread."""
+    count = _late_last.get(key, {}).pop(shape, None)
+    if count is not None:
+        _capacities.setdefault(key, {})[shape] = _with_margin(count.read())
+
+
+def _entries_checked(args: tuple) -> tuple:
+    """The backward's arguments (_ffn_train_bwd's order) with the entry list cut to its true count (the
+    forward's, long computed): under sizes "late" the list keeps the estimate's slots, and a miss (more
+    entries than slots) leaves some out; then the layer's entries are rebuilt exactly from its saved
+    inputs (a gate GEMM and the CSR again: the cost of a redone forward, paid in the backward instead of
+    a host wait in every forward). Other settings return the arguments as they are (their lists are cut
+    or checked in the forward)."""
+    x, w_gate, w_up, w_down, row_ptr = args[2:7]
+    if _settings["sizes"] != "late" or _capturing(x):
+        return args
+    count = _late_by_list.get(row_ptr)  # absent if a compiler handed over another tensor: read row_ptr
+    nnz, capacity = count.read() if count is not None else int(row_ptr[-1]), args[8].numel()
+    if nnz < capacity:
+        return (*args[:7], *(t[:nnz] for t in args[7:11]), *args[11:])
+    if nnz > capacity:
+        K = args[11].numel()  # the hot units the forward took (the same inputs choose the same ones)
+        return (*args[:6], *_forward(x, w_gate, w_up, w_down, K, None)[5:])
+    return args
+
+
+def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, key=None, late=False):
     """The whole forward. With a capacity the host issues it all without waiting and reads the true
     entry count at the end (long computed by then): None if the entries did not fit (the caller redoes
     it exactly, gate included: the dense h is not kept that long). `static`: the capacity is used as
     is and never checked on the host (no sync at all, so a CUDA graph can hold the op); the saved entry
     list keeps its unused slots (zero gates: no contribution) and a call whose entries did not fit
     adds 1 to static_misses(). `deferred` (a list, with `static`): the call's (key, (M, K), capacity,
-    true entry count on the device) is appended to it instead, for DeferredSizes.settle."""
-    stage = _pattern_stage(x, w_gate, K, capacity, static)
+    true entry count on the device) is appended to it instead, for DeferredSizes.settle. `late`: the
+    capacity is used as is, never checked here, and the outputs are exact anyway (see SIZES)."""
+    stage = _pattern_stage(x, w_gate, K, capacity, static, late=late)
     out = _product_stage(x, w_gate, w_up, w_down, K, stage)
     pat = stage[3]
     if deferred is not None:
@@ -402,7 +479,7 @@ def _forward(x, w_gate, w_up, w_down, K, capacity, static=False, deferred=None, 
     return out
 
 
-def _pattern_stage(x, w_gate, K, capacity, static, work=None):
+def _pattern_stage(x, w_gate, K, capacity, static, work=None, late=False):
     """The forward up to the entry list: the dense gate GEMM writes relu(x w_gate^T) and its positive
     bitmask, every unit's positives over the batch are counted from the bitmask (unit_fires, and the hot
     units' choice), the hot columns go to g_hot (dense) and the cold ones to the CSR. Returns (fires,
@@ -418,7 +495,7 @@ def _pattern_stage(x, w_gate, K, capacity, static, work=None):
         split = None
     # Exact sizes: the op's one host sync (the entry count) waits for the gate only; the hot units'
     # GEMMs are issued after it, so the GPU runs them while the host issues the rest.
-    return fires, hot_idx, g_hot, build_pattern(h, bits, split, capacity, static=static)
+    return fires, hot_idx, g_hot, build_pattern(h, bits, split, capacity, static=static, late=late)
 
 
 def _product_stage(x, w_gate, w_up, w_down, K, stage, y_out=None, h_hot_out=None):
@@ -448,7 +525,7 @@ def _product_stage(x, w_gate, w_up, w_down, K, stage, y_out=None, h_hot_out=None
         u_hot, w_gu, w_down_hot = (x.new_empty(0, 0) for _ in range(3))
     # The cold entries: u per entry, y and sum |h| per row (rows without entries: 0).
     up, y, l1_rows = row_ffn_forward(
-        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, long=pat.long, out=y_out
+        pat.row_ptr, pat.cols, pat.gate, x, w_up, w_down, long=pat.long, out=y_out, past=pat.past
     )
     if K:  # the hot units' share on top: y += h_hot w_down[hot] (cuBLAS reads y in its epilogue)
         _join(side)
@@ -541,7 +618,7 @@ def _ffn_train_bwd(
 def _backward_any(*args):
     """The backward replayed from its layer's graph when the forward was (train_graph.py), else eager."""
     out = graphed_backward(args, _backward_impl) if eligible(args[2]) else None
-    return _backward_impl(*args) if out is None else out
+    return _backward_impl(*_entries_checked(args)) if out is None else out
 
 
 def _hot_backward(dy, grad_l1, x, g_hot, u_hot, w_gu, w_down_hot):

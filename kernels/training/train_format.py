@@ -77,6 +77,8 @@ class TrainPattern(NamedTuple):
     # The rows with more than LONG_ROW entries by row_ptr (clamped or not, as built), which the row
     # kernels serve first (kernels/training/train_rowfwd.py; with no entries at all the list stays empty).
     long: LongRows | None = None
+    # Built `late`: (h, hot_pos or None), where the row kernel reads the positives past the capacity
+    past: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 @triton.jit
@@ -186,6 +188,7 @@ def build_pattern(
     capacity: int | None = None,
     static: bool = False,
     inference: bool = False,
+    late: bool = False,
 ) -> TrainPattern:
     """h [M, F] (relu'd gate values) and its positive bitmask bits int32 [M, F // 32] -> TrainPattern of
     the cold positives. `hot` = (hot_pos int32 [F], hot_bits int32 [F // 32], g_hot [M, K], any contents;
@@ -199,7 +202,11 @@ def build_pattern(
     `inference` (with a capacity; kernels.inference.inference's csr schedule): no host sync and no read-back, no
     entry rows (`rows` is empty), no fill of unused slots, and row_ptr is NOT clamped: entries past the
     capacity are simply not written, and a row whose end lies past it is walked from h by the row
-    kernel (kernels/training/train_rowfwd.py): nothing is dropped."""
+    kernel (kernels/training/train_rowfwd.py): nothing is dropped.
+    `late` (with a capacity; the training op's sizes "late"): as `inference`, but the entry rows are
+    written (the first `capacity` slots, as training needs them) and `past` holds what the row kernel
+    reads the positives past the capacity from. Nothing waits and nothing is read back: the true count
+    is row_ptr[M], which the op's backward checks (kernels/training/train.py, SIZES)."""
     M, F = h.shape
     W = F // 32
     device = h.device
@@ -217,9 +224,9 @@ def build_pattern(
     else:
         row_ptr.zero_()
     row_ptr[1:].cumsum_(0)  # in place, int32
-    if inference:
+    if inference or late:
         if capacity is None:
-            raise ValueError("build_pattern(inference=True) needs a capacity")
+            raise ValueError(f"build_pattern({'inference' if inference else 'late'}=True) needs a capacity")
         pending, nnz = None, capacity
     elif capacity is not None:
         row_ptr.clamp_(max=capacity)  # rows past the capacity get empty (or cut) segments: a miss
@@ -248,7 +255,8 @@ def build_pattern(
             _compact_csr_kernel[(cdiv(M, 16),)](*args, **flags, DYNAMIC_LOOPS=False, ROWS=16, num_warps=4)
         else:
             _COMPACT_CSR[lambda meta: (cdiv(M, meta["ROWS"]),)](*args, **flags, DYNAMIC_LOOPS=True)
-    return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long)
+    past = (h, hot_pos if hot is not None else None) if late else None
+    return TrainPattern(row_ptr, rows, cols, gate, row_active, totals, pending, long, past)
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -266,14 +266,17 @@ def row_ffn_forward(
     row_ptr: torch.Tensor, cols: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor,
     w_down: torch.Tensor, init: torch.Tensor | None = None, l1_init: torch.Tensor | None = None,
     long: LongRows | None = None, out: torch.Tensor | None = None,
+    past: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(u fp32 [nnz] = x[row] . w_up[col] per entry, y [M, D] = init + sum over the row's entries of
     gate * u * w_down[col], l1 fp32 [M] = l1_init + sum over the row's entries of |gate * u|); init
     [M, D] (x's dtype) and l1_init fp32 [M] or None for zeros. All operands contiguous. `long`: the
-    CSR's long rows (build_pattern lists them; computed here when None). `out`: y's buffer (like x)."""
+    CSR's long rows (build_pattern lists them; computed here when None). `out`: y's buffer (like x).
+    `past` = (h [M, F], hot_pos or None), for a CSR built late (build_pattern): row_ptr is not clamped
+    and a row's positives past the nnz slots count in y and l1 from h (u is stored for the slots only)."""
     M, D = x.shape
     up = torch.empty(cols.numel(), device=x.device, dtype=torch.float32)
-    if cols.numel() == 0:  # no entry (silent rows, or hot units took every positive): nothing to gather
+    if cols.numel() == 0 and past is None:  # no entry (silent rows, or hot units took every positive)
         if out is None:
             y = init.clone() if init is not None else torch.zeros_like(x)
         else:
@@ -282,12 +285,16 @@ def row_ffn_forward(
         return up, y, l1
     y = torch.empty_like(x) if out is None else out
     l1 = torch.empty(M, device=x.device, dtype=torch.float32)
+    if M == 0:
+        return up, y, l1
     long_args, n_long, threshold = _long(row_ptr, long)
+    h, hot_pos = past if past is not None else (y, None)
     _ROW_FWD[(n_long + M,)](
         row_ptr, cols, gate, x, w_up, w_down, up, y, init if init is not None else y, l1,
-        l1_init if l1_init is not None else l1, y, row_ptr, cols.numel(), *long_args, n_long,
-        HAS_L1_INIT=l1_init is not None, D=D, BLOCK_D=next_pow2(D), WHILE_LOOP=interpreting(),
-        HAS_INIT=init is not None, STORE_UP=True, STORE_L1=True, PAST_CAP=False, F=1, HOT=False,
+        l1_init if l1_init is not None else l1, h, hot_pos if hot_pos is not None else row_ptr, cols.numel(),
+        *long_args, n_long, HAS_L1_INIT=l1_init is not None, D=D, BLOCK_D=next_pow2(D),
+        WHILE_LOOP=interpreting(), HAS_INIT=init is not None, STORE_UP=True, STORE_L1=True,
+        PAST_CAP=past is not None, F=h.shape[1] if past is not None else 1, HOT=hot_pos is not None,
         LONG_ROW=threshold,
     )  # fmt: skip
     return up, y, l1

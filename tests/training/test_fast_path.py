@@ -279,6 +279,42 @@ def test_deferred_sizes_redo_a_step_whose_entries_did_not_fit_and_train_the_same
         assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)
 
 
+def test_late_sizes_train_the_steps_of_estimate_sizes_even_when_every_call_misses(
+    offline_data, tmp_path, monkeypatch
+):
+    """train.twell_sizes=late: no forward reads its entry count back. With the estimate's capacities the
+    run trains bit for bit the steps of the default (estimate); with capacities far too small every call
+    after a layer's first misses, its outputs stay exact (the positives past the slots are read from the
+    dense h) and its backward rebuilds the entries: the same steps to rounding."""
+    import twell.kernels.training.train as kt
+
+    def build(name, *more):
+        extra = ("model.ffn_impl=twell", "train.compile=false", "train.global_batch_tokens=128", *more)
+        return train.build_trainer(compose_job(tiny_overrides(offline_data, tmp_path / name, 3, *extra)))
+
+    try:
+        estimate = [r for r in build("estimate").fit() if "loss" in r]
+        assert kt._settings["sizes"] == "estimate"
+        late = [r for r in build("late", "train.twell_sizes=late").fit() if "loss" in r]
+        assert kt._settings["sizes"] == "late"
+        calls = []
+        real = kt._forward
+        monkeypatch.setattr(
+            kt, "_forward", lambda *a, **k: calls.append(k.get("late", False)) or real(*a, **k)
+        )
+        monkeypatch.setattr(kt, "_with_margin", lambda nnz: max(nnz // 2, 1))  # half the slots needed
+        missing = [r for r in build("missing", "train.twell_sizes=late").fit() if "loss" in r]
+    finally:
+        kt.set_sizes("estimate")
+    assert calls.count(True) > 0 and calls.count(False) > calls.count(True)  # each late call rebuilt
+    for a, b, c in zip(estimate, late, missing, strict=True):
+        assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)
+        assert c["loss"] == pytest.approx(a["loss"], rel=1e-5) and c["active_mean"] == a["active_mean"], (
+            a,
+            c,
+        )
+
+
 def test_compiled_blocks_are_checkpointed_plainly_where_torch_cannot_compile_the_policy(monkeypatch):
     """torch 2.11's inductor fails on a compiled block under the op's checkpoint policy: below
     SELECTIVE_CHECKPOINT_MIN_TORCH the trainer checkpoints compiled sparse blocks without a policy."""

@@ -17,7 +17,7 @@ from twell.kernels.synthetic import (
     make_units_always_active,
     paper_like_ffn_inputs,
 )
-from twell.kernels.training import train_sparse
+from twell.kernels.training import train_format, train_sparse
 from twell.kernels.training.train import (
     BACKWARD_VARIANTS,
     hot_units_for,
@@ -290,6 +290,8 @@ def test_custom_ops_pass_opcheck():
         (0, 8, "estimate"),
         (16, 4096, "estimate"),
         (0, 4096, "static"),
+        (0, 8, "late"),
+        (16, 4096, "late"),
     )
     try:
         for hot, capacity, sizes in cases:
@@ -706,6 +708,139 @@ def test_static_sizes_give_exact_results_and_count_misses_on_the_device(hot, var
         misses.zero_()
 
 
+@pytest.mark.parametrize("hot,variant", [(0, "fused3"), (16, "fused3"), (0, "split")])
+def test_late_sizes_never_wait_in_the_forward_and_stay_exact_on_a_miss(hot, variant, monkeypatch):
+    """ "late": after a layer's first (exact) call, the forward takes the last count plus a margin and
+    reads nothing back; the positives past the slots count in y and l1 from the dense h, so the outputs
+    are exact whatever the count, and the backward cuts the list to the count or, on a miss, rebuilds the
+    entries exactly. The layer's next call is sized from the count (read then, long computed)."""
+    import twell.kernels.training.train as kt
+    from twell.kernels.training import train_graph
+
+    monkeypatch.setitem(train_graph._settings, "on", False)
+    M, D, F = 43, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
+    grad_y = torch.randn(M, D, device=DEVICE)
+    calls = []  # each _forward pass: (capacity, late)
+    real = kt._forward
+    monkeypatch.setattr(
+        kt, "_forward", lambda *a, **k: calls.append((a[5], k.get("late", False))) or real(*a, **k)
+    )
+    reads = []  # the estimate's read-backs in the forward (PendingTotals): none may happen
+    real_read = train_format.PendingTotals.read
+    monkeypatch.setattr(train_format.PendingTotals, "read", lambda self: reads.append(1) or real_read(self))
+
+    def step(x_in):
+        out, grads = _grad_step(weights, x_in, grad_y, hot)
+        ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+        for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+            assert _rel_err(a, b) <= 1e-5
+        return out, grads
+
+    try:
+        kt.set_sizes("late")
+        set_backward_variant(variant)
+        first, first_grads = step(x)  # no history: exact
+        nnz = int(first.row_active.sum()) - (int(first.unit_fires.topk(hot).values.sum()) if hot else 0)
+        assert calls == [(None, False)]
+        calls.clear()
+        second, second_grads = step(x)  # sized from the first call's count, read nothing back
+        capacity = kt._with_margin(nnz)
+        assert calls == [(capacity, True)] and not reads
+        assert torch.equal(second.row_active, first.row_active) and torch.equal(
+            second.unit_fires, first.unit_fires
+        )
+        assert torch.allclose(second.y, first.y, rtol=1e-6, atol=1e-6)
+        for a, b in zip(second_grads, first_grads):
+            assert torch.equal(a, b)  # the backward cut the list to the count: the exact call's entries
+
+        kt._late_last[weights[0]].pop((M, hot))  # (unread, it would size the next call)
+        kt._capacities[weights[0]][(M, hot)] = 8  # far too few slots: y from h, the backward rebuilds
+        calls.clear()
+        step(x)
+        assert calls == [(8, True), (None, False)]  # the forward once, late; the rebuild in the backward
+        calls.clear()
+        step(x)  # the missed call's count sized this one
+        assert calls == [(capacity, True)]
+        dense_x = x.clone()
+        make_rows_dense(dense_x, list(range(0, M, 2)))  # ~21 F entries: far past the margin
+        calls.clear()
+        out, _ = step(dense_x)
+        assert calls == [(capacity, True), (None, False)] and int(out.overflow_rows) == 0
+        assert not reads  # no forward ever waited for its count
+    finally:
+        kt.set_sizes("estimate")
+        set_backward_variant("auto")
+
+
+def test_late_sizes_keep_the_capacity_for_a_checkpointed_recomputation():
+    """A checkpointed block's recomputed call runs inside the backward: it must take the capacity of the
+    call it recomputes (torch.utils.checkpoint compares the saved tensors' shapes), not the one that
+    call's count would give, and its gradients are those of the plain call."""
+    import twell.kernels.training.train as kt
+
+    inputs = _inputs(29, 64, 192, torch.float32, mean_active=8.0)
+    grad_y = torch.randn(29, 64, device=DEVICE)
+
+    def ffn_loss(*ts):
+        out = twell_ffn(*ts)
+        return (out.y * grad_y).sum() + 0.3 * out.l1
+
+    try:
+        kt.set_sizes("late")
+        weights = [t.clone().requires_grad_() for t in inputs[1:]]
+        ffn_loss(inputs[0], *weights).backward()  # exact first call: the history
+
+        def too_few_slots():  # a miss now: its count would size the next call wider
+            kt._late_last.get(weights[0], {}).pop((29, 0), None)
+            kt._capacities[weights[0]][(29, 0)] = 8
+
+        too_few_slots()
+        plain = [inputs[0].clone().requires_grad_(), *weights]
+        for w in weights:
+            w.grad = None
+        ffn_loss(*plain).backward()
+        plain_grads = [t.grad.clone() for t in plain]
+        too_few_slots()
+        for w in weights:
+            w.grad = None
+        ckpt = [inputs[0].clone().requires_grad_(), *weights]
+        torch.utils.checkpoint.checkpoint(ffn_loss, *ckpt, use_reentrant=False).backward()
+        for a, b in zip(plain_grads, ckpt):
+            assert torch.equal(a, b.grad)
+    finally:
+        kt.set_sizes("estimate")
+
+
+def test_late_sizes_check_each_call_by_its_own_count_when_calls_of_a_layer_precede_their_backwards():
+    """Two late calls of one layer before one backward: the first misses (dense rows), the second fits.
+    Each backward takes its own call's count (the first's rebuilt, the second's cut), never the layer's
+    last one: the gradients are those of the fp64 reference."""
+    import twell.kernels.training.train as kt
+
+    M, D, F = 31, 64, 256
+    x, w_gate, w_up, w_down = _inputs(M, D, F, torch.float32, mean_active=8.0)
+    dense_x = x.clone()
+    make_rows_dense(dense_x, list(range(0, M, 2)))
+    weights = [t.clone().requires_grad_() for t in (w_gate, w_up, w_down)]
+    grads_y = torch.randn(2, M, D, device=DEVICE)
+    try:
+        kt.set_sizes("late")
+        twell_ffn(x, *weights)  # the exact first call: the history
+        leaves = [t.clone().requires_grad_() for t in (dense_x, x)]
+        outs = [twell_ffn(leaf, *weights) for leaf in leaves]  # the first misses, the second fits
+        sum(((o.y * g).sum() + 0.3 * o.l1) for o, g in zip(outs, grads_y)).backward()
+    finally:
+        kt.set_sizes("estimate")
+    ref_w = [w.detach().double().requires_grad_() for w in weights]
+    ref_leaves = [t.double().requires_grad_() for t in (dense_x, x)]
+    refs = [relu_ffn(leaf, *ref_w) for leaf in ref_leaves]
+    sum(((r.y * g.double()).sum() + 0.3 * r.l1) for r, g in zip(refs, grads_y)).backward()
+    for a, b in zip([*leaves, *weights], [*ref_leaves, *ref_w]):
+        assert _rel_err(a.grad, b.grad) <= 1e-5
+
+
 def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
     import twell.kernels.training.train as kt
 
@@ -813,13 +948,12 @@ def test_deferred_miss_left_unsettled_raises_and_settle_reduces_a_flag():
             sizes.settle(reduce=lambda flag: flag)
 
 
-def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompiling():
-    """A torch.compile'd step (fullgraph) sizes its entry lists when it runs: the layer's history
-    reaches the op (its w_gate is the key), calls inside deferred_sizes() are fixed-size and exact, and
-    sparsity changing between steps recompiles nothing."""
+def _compiled_op_recording_forwards(kt, flag: str):
+    """The compiled-op sizing tests' set-up: twell_ffn compiled (aot_eager, fullgraph) with a compile
+    counter, and kt._forward wrapped to record (capacity, its `flag` keyword) of each pass (the caller
+    restores `real`). Returns M, x, a denser x (every unit on every row), the weights, grad_y, the compiled
+    op, the counter, the records and the real _forward."""
     import torch._dynamo.testing
-
-    import twell.kernels.training.train as kt
 
     M, D, F = 24, 64, 128
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
@@ -827,11 +961,23 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
     grad_y = torch.randn(M, D, device=DEVICE)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(twell_ffn, backend=counter, fullgraph=True, dynamic=False)
-    seen = []  # (capacity, static) of each forward pass
+    seen = []
     real = kt._forward
-    kt._forward = lambda *a, **k: seen.append((a[5], k.get("static", False))) or real(*a, **k)
+    kt._forward = lambda *a, **k: seen.append((a[5], k.get(flag, False))) or real(*a, **k)
     denser = x.clone()
-    make_rows_dense(denser, list(range(M)))  # every unit on every row: past the deferred margin
+    make_rows_dense(denser, list(range(M)))
+    return M, x, denser, weights, grad_y, compiled, counter, seen, real
+
+
+def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompiling():
+    """A torch.compile'd step (fullgraph) sizes its entry lists when it runs: the layer's history
+    reaches the op (its w_gate is the key), calls inside deferred_sizes() are fixed-size and exact, and
+    sparsity changing between steps recompiles nothing."""
+    import twell.kernels.training.train as kt
+
+    M, x, denser, weights, grad_y, compiled, counter, seen, real = _compiled_op_recording_forwards(
+        kt, "static"
+    )
     try:
         with kt.deferred_sizes() as sizes:
             outcomes = []
@@ -849,6 +995,35 @@ def test_compiled_op_takes_deferred_sizes_from_the_layer_history_without_recompi
     assert seen[1:] == [(first_capacity, True), (first_capacity, True), (outcomes[2][1], True)]
     assert [missed for missed, _ in outcomes] == [False, False, True, False]  # the denser batch: once
     assert counter.frame_count == 1  # one graph for every step
+
+
+def test_compiled_op_takes_late_sizes_exactly_without_recompiling():
+    """A torch.compile'd step (fullgraph) under sizes "late": after the exact first call every forward is
+    late, a batch past the capacity still gives exact outputs and gradients (its backward rebuilds the
+    entries), and the step is compiled once."""
+    import twell.kernels.training.train as kt
+
+    M, x, denser, weights, grad_y, compiled, counter, seen, real = _compiled_op_recording_forwards(kt, "late")
+    F = weights[0].shape[0]
+    try:
+        kt.set_sizes("late")
+        for x_in in (x, x, denser, x):
+            out, grads = _grad_step(weights, x_in, grad_y, fn=compiled)
+            ref, ref_grads = _run(relu_ffn, [x_in, *weights], grad_y.double(), 0.3, dtype=torch.float64)
+            for a, b in zip([out.y, out.l1, *grads], [ref.y, ref.l1, *ref_grads]):
+                assert _rel_err(a, b) <= 1e-5
+    finally:
+        kt._forward = real
+        kt.set_sizes("estimate")
+    capacity = kt._with_margin(int(out.row_active.sum()))
+    assert seen == [
+        (None, False),
+        (capacity, True),
+        (capacity, True),
+        (None, False),
+        (kt._with_margin(M * F), True),
+    ]
+    assert counter.frame_count == 1
 
 
 @pytest.mark.gpu

@@ -381,6 +381,8 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
         out = _forward(x, w_gate, w_up, w_down, K, None)
     # The next call's capacity: this call's count plus a margin (static calls keep theirs).
     nnz = out[6].numel()
+    if mode == "late":  # an exact or graphed call: its backward finds the count without a read-back
+        _late_by_list[out[5]] = _LateCount(torch.tensor([nnz], dtype=torch.int32))
     _capacities.setdefault(key, {})[(M, K)] = (
         _deferred_capacity(nnz) if mode == "deferred" else _with_margin(nnz)
     )

@@ -841,6 +841,40 @@ def test_late_sizes_check_each_call_by_its_own_count_when_calls_of_a_layer_prece
         assert _rel_err(a.grad, b.grad) <= 1e-5
 
 
+def test_late_backward_finds_its_calls_count_without_reading_the_device(monkeypatch):
+    """Each backward under sizes "late" takes its call's count from the host copy made behind the forward
+    (found by the saved row_ptr), eager, compiled and checkpointed alike: reading row_ptr[M] there would
+    wait for everything the host has issued since (a whole-queue sync a layer on a GPU)."""
+    import twell.kernels.training.train as kt
+
+    found = []
+
+    class Probe(dict):
+        def get(self, key, default=None):
+            found.append(super().get(key) is not None)
+            return super().get(key, default)
+
+    monkeypatch.setattr(kt, "_late_by_list", Probe())
+    M, D, F = 24, 64, 128
+    x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
+    weights = [t.requires_grad_() for t in weights]
+    ways = {
+        "eager": twell_ffn,
+        "compiled": torch.compile(twell_ffn, backend="aot_eager", fullgraph=True),
+        "checkpointed": lambda *a: torch.utils.checkpoint.checkpoint(twell_ffn, *a, use_reentrant=False),
+    }
+    try:
+        kt.set_sizes("late")
+        for name, fn in ways.items():
+            found.clear()
+            for _ in range(2):  # the layer's first call (exact) and a late one
+                out = fn(x.clone().requires_grad_(), *weights)
+                (out.y.sum() + out.l1).backward()
+            assert found == [True, True], name
+    finally:
+        kt.set_sizes("estimate")
+
+
 def test_capture_without_a_prior_eager_call_asks_for_one(monkeypatch):
     import twell.kernels.training.train as kt
 

@@ -453,6 +453,8 @@ class Trainer:
         ffn = self.job.model.ffn_impl
         if ffn != "dense" and not self.sparse_kernels:
             ffn += " (the dense reference's math here: the TwELL kernels run on a GPU, or under TRITON_INTERPRET=1)"
+        elif ffn != "dense":
+            ffn += f" (TwELL entry lists sized {self.job.train.twell_sizes})"
         self._say(
             f"FFN {ffn}, torch.compile {on_off[self.compile_blocks]}, activation "
             f"checkpointing {on_off[self.checkpoint_blocks]}, {graphs}"

@@ -35,6 +35,7 @@ import time
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.weak import WeakIdKeyDictionary
@@ -382,7 +383,7 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     # The next call's capacity: this call's count plus a margin (static calls keep theirs).
     nnz = out[6].numel()
     if mode == "late":  # an exact or graphed call: its backward finds the count without a read-back
-        _late_by_list[out[5]] = _LateCount(torch.tensor([nnz], dtype=torch.int32))
+        _remember_count(out[5], _LateCount(torch.tensor([nnz], dtype=torch.int32)))
     _capacities.setdefault(key, {})[(M, K)] = (
         _deferred_capacity(nnz) if mode == "deferred" else _with_margin(nnz)
     )
@@ -420,15 +421,33 @@ class _LateCount:
 
 
 # Late calls' counts: the last of each layer (keyed like _capacities) and (tokens, hot units), until it
-# sizes the layer's next call; and every call's, by its row_ptr (saved for its backward), while it lives.
+# sizes the layer's next call; and every call's, by the storage of its row_ptr (saved for its backward),
+# until its backward takes it. By storage, not by tensor: the backward may get another tensor over it
+# (selective activation checkpointing's cache, a compiler's outputs). A weak reference to the storage
+# tells a live entry from one whose storage is gone, and keeps that address from naming another meanwhile.
 _late_last: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_late_by_list: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_late_by_list: dict[int, tuple[StorageWeakRef, _LateCount]] = {}
+_LATE_SWEEP = 256  # entries at which those of freed storages (forwards without a backward) are dropped
 
 
 def _record_late(key, shape, row_ptr: Tensor) -> None:
     count = _LateCount(row_ptr[row_ptr.numel() - 1 :])
     _late_last.setdefault(key, {})[shape] = count
-    _late_by_list[row_ptr] = count
+    _remember_count(row_ptr, count)
+
+
+def _remember_count(row_ptr: Tensor, count: _LateCount) -> None:
+    if len(_late_by_list) >= _LATE_SWEEP:
+        for cdata in [c for c, (ref, _) in _late_by_list.items() if ref.expired()]:
+            del _late_by_list[cdata]
+    storage = row_ptr.untyped_storage()
+    _late_by_list[storage._cdata] = (StorageWeakRef(storage), count)
+
+
+def _count_of(row_ptr: Tensor) -> _LateCount | None:
+    """The count its forward left for this row_ptr (taken: a second backward reads row_ptr itself)."""
+    entry = _late_by_list.pop(row_ptr.untyped_storage()._cdata, None)
+    return entry[1] if entry is not None and not entry[0].expired() else None
 
 
 def _settle_late(key, shape) -> None:
@@ -448,7 +467,7 @@ def _entries_checked(args: tuple) -> tuple:
     x, w_gate, w_up, w_down, row_ptr = args[2:7]
     if _settings["sizes"] != "late" or _capturing(x):
         return args
-    count = _late_by_list.get(row_ptr)  # absent if a compiler handed over another tensor: read row_ptr
+    count = _count_of(row_ptr)  # None only for a call whose count is gone: then read row_ptr (a wait)
     nnz, capacity = count.read() if count is not None else int(row_ptr[-1]), args[8].numel()
     if nnz < capacity:
         return (*args[:7], *(t[:nnz] for t in args[7:11]), *args[11:])

@@ -843,18 +843,14 @@ def test_late_sizes_check_each_call_by_its_own_count_when_calls_of_a_layer_prece
 
 def test_late_backward_finds_its_calls_count_without_reading_the_device(monkeypatch):
     """Each backward under sizes "late" takes its call's count from the host copy made behind the forward
-    (found by the saved row_ptr), eager, compiled and checkpointed alike: reading row_ptr[M] there would
-    wait for everything the host has issued since (a whole-queue sync a layer on a GPU)."""
+    (found by the saved row_ptr's storage), eager, compiled, checkpointed and selectively checkpointed
+    (whose cache hands the backward other tensors) alike: reading row_ptr[M] there would wait for
+    everything the host has issued since (a whole-queue sync a layer on a GPU)."""
     import twell.kernels.training.train as kt
 
     found = []
-
-    class Probe(dict):
-        def get(self, key, default=None):
-            found.append(super().get(key) is not None)
-            return super().get(key, default)
-
-    monkeypatch.setattr(kt, "_late_by_list", Probe())
+    real = kt._count_of
+    monkeypatch.setattr(kt, "_count_of", lambda row_ptr: found.append((c := real(row_ptr)) is not None) or c)
     M, D, F = 24, 64, 128
     x, *weights = _inputs(M, D, F, torch.float32, mean_active=6.0)
     weights = [t.requires_grad_() for t in weights]
@@ -862,6 +858,9 @@ def test_late_backward_finds_its_calls_count_without_reading_the_device(monkeypa
         "eager": twell_ffn,
         "compiled": torch.compile(twell_ffn, backend="aot_eager", fullgraph=True),
         "checkpointed": lambda *a: torch.utils.checkpoint.checkpoint(twell_ffn, *a, use_reentrant=False),
+        "selectively checkpointed": lambda *a: torch.utils.checkpoint.checkpoint(
+            twell_ffn, *a, use_reentrant=False, context_fn=kt.checkpoint_context
+        ),
     }
     try:
         kt.set_sizes("late")
@@ -871,6 +870,24 @@ def test_late_backward_finds_its_calls_count_without_reading_the_device(monkeypa
                 out = fn(x.clone().requires_grad_(), *weights)
                 (out.y.sum() + out.l1).backward()
             assert found == [True, True], name
+    finally:
+        kt.set_sizes("estimate")
+
+
+def test_late_counts_of_forwards_without_a_backward_are_dropped(monkeypatch):
+    """Forwards without a backward (evaluation) leave their counts behind; once their storages are freed,
+    the entries go at the next sweep: the table stays bounded over a long run."""
+    import twell.kernels.training.train as kt
+
+    monkeypatch.setattr(kt, "_LATE_SWEEP", 4)
+    monkeypatch.setattr(kt, "_late_by_list", {})
+    inputs = _inputs(16, 64, 128, torch.float32, mean_active=6.0)
+    try:
+        kt.set_sizes("late")
+        with torch.no_grad():
+            for _ in range(12):
+                twell_ffn(*inputs)
+                assert len(kt._late_by_list) <= 4
     finally:
         kt.set_sizes("estimate")
 

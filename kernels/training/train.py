@@ -45,7 +45,7 @@ from ..bitmask import count_fires
 from ..gate import relu_gate_bits
 from ..inference.inference import default_hot_units
 from ..reference import FFNOutput
-from .train_format import build_pattern, hot_split, to_csc
+from .train_format import HostCount, build_pattern, hot_split, to_csc
 from .train_graph import drop_graphs, eligible, fit_entries, graphed_backward, graphed_forward
 from .train_hot import hot_backward, hot_forward, scatter_hot_rows
 from .train_rowfwd import row_dx, row_ffn_forward
@@ -383,7 +383,7 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     # The next call's capacity: this call's count plus a margin (static calls keep theirs).
     nnz = out[6].numel()
     if mode == "late":  # an exact or graphed call: its backward finds the count without a read-back
-        _remember_count(out[5], _LateCount(torch.tensor([nnz], dtype=torch.int32)))
+        _remember_count(out[5], HostCount(torch.tensor([nnz], dtype=torch.int32)))
     _capacities.setdefault(key, {})[(M, K)] = (
         _deferred_capacity(nnz) if mode == "deferred" else _with_margin(nnz)
     )
@@ -400,43 +400,23 @@ def _ffn_train_fwd(
     return _forward_sized(x, w_gate, w_up, w_down, key, hot_units)
 
 
-class _LateCount:
-    """One late call's entry count (int32 [1] on the device: its row_ptr[M]), copied to pinned host memory
-    behind the kernels that computed it; read() waits for that copy only (by the time the count is read,
-    long done). Not `int(row_ptr[M])`: that would wait for everything the host has issued since."""
-
-    def __init__(self, nnz: Tensor):
-        cuda = nnz.is_cuda
-        self._host = torch.empty(1, dtype=torch.int32, pin_memory=cuda)
-        self._host.copy_(nnz, non_blocking=cuda)
-        self._event = None
-        if cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def read(self) -> int:
-        if self._event is not None:
-            self._event.synchronize()
-        return int(self._host[0])
-
-
 # Late calls' counts: the last of each layer (keyed like _capacities) and (tokens, hot units), until it
 # sizes the layer's next call; and every call's, by the storage of its row_ptr (saved for its backward),
 # until its backward takes it. By storage, not by tensor: the backward may get another tensor over it
 # (selective activation checkpointing's cache, a compiler's outputs). A weak reference to the storage
 # tells a live entry from one whose storage is gone, and keeps that address from naming another meanwhile.
 _late_last: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_late_by_list: dict[int, tuple[StorageWeakRef, _LateCount]] = {}
+_late_by_list: dict[int, tuple[StorageWeakRef, HostCount]] = {}
 _LATE_SWEEP = 256  # entries at which those of freed storages (forwards without a backward) are dropped
 
 
 def _record_late(key, shape, row_ptr: Tensor) -> None:
-    count = _LateCount(row_ptr[row_ptr.numel() - 1 :])
+    count = HostCount(row_ptr[-1:])
     _late_last.setdefault(key, {})[shape] = count
     _remember_count(row_ptr, count)
 
 
-def _remember_count(row_ptr: Tensor, count: _LateCount) -> None:
+def _remember_count(row_ptr: Tensor, count: HostCount) -> None:
     if len(_late_by_list) >= _LATE_SWEEP:
         for cdata in [c for c, (ref, _) in _late_by_list.items() if ref.expired()]:
             del _late_by_list[cdata]
@@ -444,7 +424,7 @@ def _remember_count(row_ptr: Tensor, count: _LateCount) -> None:
     _late_by_list[storage._cdata] = (StorageWeakRef(storage), count)
 
 
-def _count_of(row_ptr: Tensor) -> _LateCount | None:
+def _count_of(row_ptr: Tensor) -> HostCount | None:
     """The count its forward left for this row_ptr (taken: a second backward reads row_ptr itself)."""
     entry = _late_by_list.pop(row_ptr.untyped_storage()._cdata, None)
     return entry[1] if entry is not None and not entry[0].expired() else None

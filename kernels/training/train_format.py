@@ -36,30 +36,41 @@ from ..gate_compact import _scatter_hot, _zero_rows
 from .train_rowfwd import LongRows, empty_long_rows, list_long_rows
 
 
-class PendingTotals:
-    """The entry count of a pattern built with a capacity: copied device -> pinned host memory behind
-    the kernels that computed it; read() waits for that copy only (not for later work)."""
+class HostCount:
+    """An int32 [1] device count copied to pinned host memory behind the kernels that computed it; read()
+    waits for that copy only, not for later work (int(count) would wait for everything issued since).
+    With no `host` word and event given it takes its own: for a count read long after later ones were
+    made (the training op's late sizes). On a CPU the count is final when made: a copy of it is kept."""
 
-    # One pinned word and one event per device, created once: a pattern is read before the next one is
-    # built (the op reads it within its forward), so reuse is safe and costs no allocation per call.
-    _host: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
-
-    def __init__(self, nnz: torch.Tensor):
+    def __init__(self, nnz: torch.Tensor, host: torch.Tensor | None = None, event=None):
         self._event = None
         if nnz.is_cuda:
-            if nnz.device not in self._host:
-                pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
-                self._host[nnz.device] = (pinned, torch.cuda.Event())
-            buf, self._event = self._host[nnz.device]
-            buf.copy_(nnz, non_blocking=True)
-            self._event.record()
-            nnz = buf
+            if host is None:
+                host, event = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+            host.copy_(nnz, non_blocking=True)
+            event.record()
+            self._event, nnz = event, host
+        else:
+            nnz = nnz.clone()
         self._nnz = nnz
 
     def read(self) -> int:
         if self._event is not None:
             self._event.synchronize()
         return int(self._nnz[0])
+
+
+class PendingTotals(HostCount):
+    """The entry count of a pattern built with a capacity, in one pinned word and one event per device,
+    created once: a pattern is read before the next one is built (the op reads it within its forward),
+    so reuse is safe and costs no allocation per call."""
+
+    _host: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def __init__(self, nnz: torch.Tensor):
+        if nnz.is_cuda and nnz.device not in self._host:
+            self._host[nnz.device] = (torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        super().__init__(nnz, *self._host.get(nnz.device, (None, None)))
 
 
 class TrainPattern(NamedTuple):

@@ -313,6 +313,7 @@ class Trainer:
         # (the tests); elsewhere they train on the dense reference (model.ffn.kernels_usable, per call).
         self.sparse_kernels = mcfg.ffn_impl != "dense" and kernels_usable(torch.empty(0, device=self.device))
         self._kt = None
+        self._entry_misses = None  # the op's eager calls whose entries outgrew their capacity, for the logs
         if self.sparse_kernels:
             import twell.kernels.training.train as kt
 
@@ -320,6 +321,7 @@ class Trainer:
             kt.set_sizes("late" if tcfg.twell_sizes == "late" else "estimate")
             if tcfg.twell_sizes == "deferred" and not tcfg.cuda_graph:
                 self._kt = kt
+            self._entry_misses = kt.entry_misses
         # The TwELL op's per-layer CUDA graphs (train.twell_graphs), and their counters for the logs
         self._graph_stats = None
         if self.sparse_kernels and self.device.type == "cuda":
@@ -756,6 +758,10 @@ class Trainer:
         }
         if self._kt is not None:  # steps redone because a layer's entries outgrew their capacity, so far
             record["twell_redos"] = self.twell_redos
+        if (
+            self._entry_misses is not None
+        ):  # forwards redone (estimate) and entry lists rebuilt (late), so far
+            record.update({f"twell_misses_{k}": v for k, v in self._entry_misses().items()})
         if self._graph_stats is not None:  # TwELL passes replayed from per-layer CUDA graphs, and not, so far
             record.update({f"twell_graph_{k}": v for k, v in self._graph_stats().items()})
         if self.job.model.ffn_impl == "auto":  # the routing per layer, as the next steps will run it

@@ -77,7 +77,10 @@ BACKWARD_VARIANTS = ("fused3", "split")
 # walk), so the forward's outputs are exact whatever the count. The count (row_ptr[M]) is read when it
 # is long computed: the layer's next call sizes itself from it, and the backward, which needs every entry,
 # cuts the list to it or, on a miss, rebuilds the layer's entries exactly from x (_entries_checked).
-# A forward and its backward must run under the same setting.
+# A late miss costs more than an estimate's (the forward walks the rows past the slots in h, and the
+# backward redoes the gate), so late calls size as deferred ones do: a high-water mark with headroom 1
+# (_deferred_capacity), about 16 bytes a slot more memory instead of a miss in most steps. A forward and
+# its backward must run under the same setting.
 SIZES = ("estimate", "exact", "static", "late")
 # Headroom of a sized capacity over the entry count it is sized from (_with_margin). A CUDA graph's
 # owner captures with a wider one after capacity misses (capacity_headroom, training/cuda_graph.py).
@@ -145,6 +148,17 @@ def set_sizes(mode: str) -> None:
 
 
 _misses: dict[torch.device, Tensor] = {}
+# Eager calls whose entries outgrew their capacity, since the process started: "redone" (estimate: the
+# forward redone exactly) and "rebuilt" (late: the backward rebuilt the entries). Counted on the host.
+_entry_misses = {"redone": 0, "rebuilt": 0}
+
+
+def entry_misses() -> dict:
+    """Counts of eager calls whose entries did not fit their capacity (see _entry_misses); each one cost
+    a redone forward (sizes estimate) or a rebuilt entry list in the backward (sizes late)."""
+    return dict(_entry_misses)
+
+
 # While a CUDA graph owner captures (record_static_sizes): each static call's (capacity, true entry
 # count as an int32 [1] device view). The view lives in the graph's memory, so every replay rewrites it.
 _static_sizes: list | None = None
@@ -367,7 +381,8 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     if capacity and mode in ("static", "deferred"):  # fixed size, never read back
         deferred = _deferred if mode == "deferred" else None
         return _forward(x, w_gate, w_up, w_down, K, capacity, static=True, deferred=deferred, key=key)
-    if capacity and mode in ("estimate", "late") and eligible(x):  # replayed from the layer's CUDA graphs
+    graphed = bool(capacity) and mode in ("estimate", "late") and eligible(x)
+    if graphed:  # replayed from the layer's CUDA graphs
         out = graphed_forward(
             (x, w_gate, w_up, w_down), key, K, capacity, (_pattern_stage, _product_stage),
             lambda cap: _forward(x, w_gate, w_up, w_down, K, cap),
@@ -379,13 +394,16 @@ def _forward_sized(x, w_gate, w_up, w_down, key, K):
     else:
         out = _forward(x, w_gate, w_up, w_down, K, capacity) if capacity else None  # None: it did not fit
     if out is None:
+        _entry_misses["redone"] += bool(capacity)
         out = _forward(x, w_gate, w_up, w_down, K, None)
-    # The next call's capacity: this call's count plus a margin (static calls keep theirs).
+    # The next call's capacity: this call's count plus a margin (static calls keep theirs); a high-water
+    # mark for deferred calls and for late ones not replayed from graphs (a graph's capacity is its key).
     nnz = out[6].numel()
     if mode == "late":  # an exact or graphed call: its backward finds the count without a read-back
         _remember_count(out[5], HostCount(torch.tensor([nnz], dtype=torch.int32)))
+    high_water = mode == "deferred" or (mode == "late" and not graphed)
     _capacities.setdefault(key, {})[(M, K)] = (
-        _deferred_capacity(nnz) if mode == "deferred" else _with_margin(nnz)
+        _deferred_capacity(nnz, capacity) if high_water else _with_margin(nnz)
     )
     return out
 
@@ -434,7 +452,8 @@ def _settle_late(key, shape) -> None:
     """Size the layer's next call from its last late call's entry count, if one is unread."""
     count = _late_last.get(key, {}).pop(shape, None)
     if count is not None:
-        _capacities.setdefault(key, {})[shape] = _with_margin(count.read())
+        history = _capacities.setdefault(key, {})
+        history[shape] = _deferred_capacity(count.read(), history.get(shape, 0))
 
 
 def _entries_checked(args: tuple) -> tuple:
@@ -452,6 +471,7 @@ def _entries_checked(args: tuple) -> tuple:
     if nnz < capacity:
         return (*args[:7], *(t[:nnz] for t in args[7:11]), *args[11:])
     if nnz > capacity:
+        _entry_misses["rebuilt"] += 1
         K = args[11].numel()  # the hot units the forward took (the same inputs choose the same ones)
         return (*args[:6], *_forward(x, w_gate, w_up, w_down, K, None)[5:])
     return args

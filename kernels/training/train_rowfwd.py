@@ -170,13 +170,14 @@ def _row_past_cap(row, start, cap, acc, l1, x, h_ptr, hot_pos_ptr, wu_ptr, wd_pt
         ci = cold.to(tl.int32)
         take = cold & (start + running + tl.cumsum(ci, axis=0) - ci >= cap)
         running += tl.sum(ci, axis=0)
-        w_off = cols[:, None].to(tl.int64) * D + ds[None, :]
-        live = take[:, None] & d_ok[None, :]
-        wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
-        wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
-        hv = tl.where(take, g * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
-        acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
-        l1 += tl.sum(tl.abs(hv), axis=0)
+        if tl.sum(take.to(tl.int32), axis=0) > 0:  # most chunks hold none: skip their weight tiles
+            w_off = cols[:, None].to(tl.int64) * D + ds[None, :]
+            live = take[:, None] & d_ok[None, :]
+            wu = tl.load(wu_ptr + w_off, mask=live, other=0.0)
+            wd = tl.load(wd_ptr + w_off, mask=live, other=0.0)
+            hv = tl.where(take, g * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
+            acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
+            l1 += tl.sum(tl.abs(hv), axis=0)
     return acc, l1
 
 

@@ -606,8 +606,10 @@ def test_entry_list_sized_from_the_last_call_matches_exact_sizes_and_redoes_a_mi
 
     kt._capacities[weights[0]][(M, 0)] = 8  # far fewer slots than entries: rows past them are cut
     seen.clear()
+    redone = kt.entry_misses()["redone"]
     step(x)
     assert seen == [(8, False), (None, True)]  # the miss is redone exactly
+    assert kt.entry_misses()["redone"] == redone + 1
     assert kt._capacities[weights[0]][(M, 0)] == kt._with_margin(nnz)
 
     dense_x = x.clone()
@@ -746,7 +748,7 @@ def test_late_sizes_never_wait_in_the_forward_and_stay_exact_on_a_miss(hot, vari
         assert calls == [(None, False)]
         calls.clear()
         second, second_grads = step(x)  # sized from the first call's count, read nothing back
-        capacity = kt._with_margin(nnz)
+        capacity = kt._deferred_capacity(nnz)  # late calls size by a high-water mark (a miss costs more)
         assert calls == [(capacity, True)] and not reads
         assert torch.equal(second.row_active, first.row_active) and torch.equal(
             second.unit_fires, first.unit_fires
@@ -758,8 +760,10 @@ def test_late_sizes_never_wait_in_the_forward_and_stay_exact_on_a_miss(hot, vari
         kt._late_last[weights[0]].pop((M, hot))  # (unread, it would size the next call)
         kt._capacities[weights[0]][(M, hot)] = 8  # far too few slots: y from h, the backward rebuilds
         calls.clear()
+        rebuilt = kt.entry_misses()["rebuilt"]
         step(x)
         assert calls == [(8, True), (None, False)]  # the forward once, late; the rebuild in the backward
+        assert kt.entry_misses()["rebuilt"] == rebuilt + 1
         calls.clear()
         step(x)  # the missed call's count sized this one
         assert calls == [(capacity, True)]
@@ -768,6 +772,13 @@ def test_late_sizes_never_wait_in_the_forward_and_stay_exact_on_a_miss(hot, vari
         calls.clear()
         out, _ = step(dense_x)
         assert calls == [(capacity, True), (None, False)] and int(out.overflow_rows) == 0
+        assert kt.entry_misses()["rebuilt"] == rebuilt + 2
+        dense_nnz = int(out.row_active.sum()) - (int(out.unit_fires.topk(hot).values.sum()) if hot else 0)
+        calls.clear()
+        step(x)  # sparse again: the burst's capacity holds (a high-water mark) ...
+        step(x)  # ... and shrinks by DEFERRED_DECAY a call
+        burst = kt._deferred_capacity(dense_nnz)
+        assert calls == [(burst, True), (int(burst * kt.DEFERRED_DECAY) // 1024 * 1024, True)]
         assert not reads  # no forward ever waited for its count
     finally:
         kt.set_sizes("estimate")
@@ -1066,13 +1077,13 @@ def test_compiled_op_takes_late_sizes_exactly_without_recompiling():
     finally:
         kt._forward = real
         kt.set_sizes("estimate")
-    capacity = kt._with_margin(int(out.row_active.sum()))
+    capacity = kt._deferred_capacity(int(out.row_active.sum()))  # late calls: a high-water mark
     assert seen == [
         (None, False),
         (capacity, True),
         (capacity, True),
         (None, False),
-        (kt._with_margin(M * F), True),
+        (kt._deferred_capacity(M * F), True),
     ]
     assert counter.frame_count == 1
 

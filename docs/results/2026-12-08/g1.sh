@@ -11,7 +11,7 @@ P="logging.log_interval=2 logging.profile_at=8 logging.profile_steps=2"
 bench fsdp_0.5b_estimate 140 scripts/bench_fsdp.py --out $OUT/fsdp_0.5b_estimate --model 0.5b --ffn twell --steps 14 --settle 4 -- $P
 bench fsdp_0.5b_late 140 scripts/bench_fsdp.py --out $OUT/fsdp_0.5b_late --model 0.5b --ffn twell --steps 14 --settle 4 -- $P train.twell_sizes=late
 for s in late estimate; do
-  left=$(( 560 - ($(date +%s) - t0) )); [ $left -gt 100 ] || { echo "1.5b $s skipped: $left s left"; continue; }
+  left=$(( ${END:-560} - ($(date +%s) - t0) )); [ $left -gt 100 ] || { echo "1.5b $s skipped: $left s left"; continue; }
   bench fsdp_1.5b_$s $left scripts/bench_fsdp.py --out $OUT/fsdp_1.5b_$s --model 1.5b --ffn twell --variants plain --steps 12 --settle 4 -- $P train.twell_sizes=$s
 done
 for d in $OUT/fsdp_*/twell_*/; do printf '%s ' "$d"; grep -o "\"twell_misses_[a-z]*\": [0-9]*" $d/metrics.jsonl | tail -2 | tr '\n' ' '; echo; done

@@ -307,6 +307,13 @@ def test_late_sizes_train_the_steps_of_estimate_sizes_even_when_every_call_misse
     finally:
         kt.set_sizes("estimate")
     assert calls.count(True) > 0 and calls.count(False) > calls.count(True)  # each late call rebuilt
+    # the metrics count the rebuilt lists (process-wide, so far): none while the entries fit
+    assert late[0]["twell_misses_rebuilt"] == late[-1]["twell_misses_rebuilt"]
+    assert (
+        missing[-1]["twell_misses_rebuilt"]
+        > missing[0]["twell_misses_rebuilt"]
+        >= late[-1]["twell_misses_rebuilt"]
+    )
     for a, b, c in zip(estimate, late, missing, strict=True):
         assert a["loss"] == b["loss"] and a["active_mean"] == b["active_mean"], (a, b)
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-5) and c["active_mean"] == a["active_mean"], (

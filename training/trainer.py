@@ -758,9 +758,8 @@ class Trainer:
         }
         if self._kt is not None:  # steps redone because a layer's entries outgrew their capacity, so far
             record["twell_redos"] = self.twell_redos
-        if (
-            self._entry_misses is not None
-        ):  # forwards redone (estimate) and entry lists rebuilt (late), so far
+        # the TwELL op's forwards redone (sizes estimate) and entry lists rebuilt (late), so far
+        if self._entry_misses is not None:
             record.update({f"twell_misses_{k}": v for k, v in self._entry_misses().items()})
         if self._graph_stats is not None:  # TwELL passes replayed from per-layer CUDA graphs, and not, so far
             record.update({f"twell_graph_{k}": v for k, v in self._graph_stats().items()})

@@ -148,13 +148,14 @@ def set_sizes(mode: str) -> None:
 
 
 _misses: dict[torch.device, Tensor] = {}
-# Eager calls whose entries outgrew their capacity, since the process started: "redone" (estimate: the
-# forward redone exactly) and "rebuilt" (late: the backward rebuilt the entries). Counted on the host.
+# Calls outside a capture whose entries outgrew their sized capacity, since the process started: "redone"
+# (estimate, or a graph replay's miss: the forward redone exactly) and "rebuilt" (late: the backward rebuilt
+# the entries). Counted on the host, where each is found.
 _entry_misses = {"redone": 0, "rebuilt": 0}
 
 
 def entry_misses() -> dict:
-    """Counts of eager calls whose entries did not fit their capacity (see _entry_misses); each one cost
+    """Counts of calls whose entries did not fit their sized capacity (see _entry_misses); each one cost
     a redone forward (sizes estimate) or a rebuilt entry list in the backward (sizes late)."""
     return dict(_entry_misses)
 
